@@ -1,0 +1,16 @@
+"""Low-rank layers and whole-model factorization (knows nothing of training)."""
+
+from .base import LowRankModule, low_rank_class_for, register_low_rank
+from .layers import LowRankConv2d, LowRankLinear
+from .svd import rank_from_ratio, saves_parameters, svd_split
+
+__all__ = [
+    "LowRankConv2d",
+    "LowRankLinear",
+    "LowRankModule",
+    "low_rank_class_for",
+    "rank_from_ratio",
+    "register_low_rank",
+    "saves_parameters",
+    "svd_split",
+]
