@@ -1,14 +1,20 @@
 """Low-rank layers and whole-model factorization (knows nothing of training)."""
 
 from .base import LowRankModule, low_rank_class_for, register_low_rank
+from .factorize import FactorizationReport, LayerDecision, count_macs, factorize, merge
 from .layers import LowRankConv2d, LowRankLinear
 from .svd import rank_from_ratio, saves_parameters, svd_split
 
 __all__ = [
+    "FactorizationReport",
+    "LayerDecision",
     "LowRankConv2d",
     "LowRankLinear",
     "LowRankModule",
+    "count_macs",
+    "factorize",
     "low_rank_class_for",
+    "merge",
     "rank_from_ratio",
     "register_low_rank",
     "saves_parameters",
