@@ -1,16 +1,20 @@
 """Low-rank layers and whole-model factorization (knows nothing of training)."""
 
+from .attention import LowRankMultiheadAttention
 from .base import LowRankModule, low_rank_class_for, register_low_rank
 from .factorize import FactorizationReport, LayerDecision, count_macs, factorize, merge
 from .layers import LowRankConv2d, LowRankLinear
+from .lstm import LowRankLSTM
 from .svd import rank_from_ratio, saves_parameters, svd_split
 
 __all__ = [
     "FactorizationReport",
     "LayerDecision",
     "LowRankConv2d",
+    "LowRankLSTM",
     "LowRankLinear",
     "LowRankModule",
+    "LowRankMultiheadAttention",
     "count_macs",
     "factorize",
     "low_rank_class_for",

@@ -40,7 +40,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from .base import LowRankModule, low_rank_class_for
 from .svd import rank_from_ratio
 
-__all__ = ["FactorizationReport", "LayerDecision", "count_macs", "factorize", "merge"]
+__all__ = [
+    "FactorizationReport",
+    "LayerDecision",
+    "count_macs",
+    "factorizable_modules",
+    "factorize",
+    "merge",
+]
 
 
 @dataclass
@@ -235,6 +242,24 @@ def factorize(
 
     macs_after = count_macs(model, example_input) if example_input is not None else None
     return FactorizationReport(decisions, params_before, count_params(model), macs_before, macs_after)
+
+
+def factorizable_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name -> module for every module ``factorize`` could replace, in registration order.
+
+    The candidates of rules 1-7 (same subtree skipping: nothing inside a candidate or a low-rank
+    module) minus those the layer class reports unsupported (rule 4), before any keep, include
+    or parameter-saving rule. The name is the module's first qualified name, the one the report
+    uses; a shared module appears once. Exact names are valid ``keep``/``overrides`` patterns.
+    """
+    names_of = _names_by_module(model)
+    candidates, _ = _candidates(model, names_of)
+    supported: dict[str, nn.Module] = {}
+    for module in candidates:
+        cls = low_rank_class_for(module)
+        if cls is not None and cls.unsupported_reason(module) is None:
+            supported[names_of[id(module)][0]] = module
+    return supported
 
 
 def merge(model: nn.Module) -> nn.Module:

@@ -1,0 +1,273 @@
+"""All training configuration in one place: one dataclass, TOML files, command-line overrides.
+
+Every field of :class:`TrainConfig` is a TOML key and a ``--flag`` (underscores become dashes), so a
+shipped config file is just a set of overrides of these defaults. Values are checked once, here,
+with one-line errors that name the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+__all__ = ["ConfigError", "TrainConfig", "dump_toml", "load_config"]
+
+MODELS = ("resnet18", "vgg19_bn", "lstm", "transformer")
+MODES = ("full", "pufferfish", "lowrank", "lth", "prune")
+COMMS = ("allreduce", "fp16", "powersgd", "signum", "topk")
+SCHEDULES = ("multistep", "cosine", "constant")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message is one line naming it."""
+
+
+@dataclass
+class TrainConfig:
+    # What to train
+    model: str = "resnet18"  # resnet18, vgg19_bn, lstm, transformer
+    width: float = 1.0  # channel multiplier (images) / size multiplier of the paper's dims (LMs)
+    data: str = "fashion-mnist"  # fashion-mnist, cifar10, kjv, or a path to a UTF-8 text file
+    data_dir: str = ""  # empty: the dataset's default directory
+    download: bool = False  # fetch missing dataset files from their official URLs
+    train_subset: int = 0  # use only the first N training examples (0: all)
+    test_subset: int = 0  # use only the first N test examples (0: all)
+    # The method
+    mode: str = "pufferfish"  # full, pufferfish (warm-up then factorize), lowrank (from step 0)
+    warmup_epochs: str = "2"  # full-rank epochs before the switch, or "auto"
+    rank_ratio: str = "0.25"  # rank as a fraction of each layer's full rank, or "auto"
+    preset: str = "paper"  # the model's preset of full-rank layers ("none": no preset)
+    keep: list[str] = field(default_factory=list)  # extra glob patterns of layers kept full-rank
+    keep_first: int = 0  # also keep the first K factorizable layers full-rank
+    keep_auto: bool = False  # profile each layer and keep those that factorizing does not help
+    extra_bn: bool = False  # BatchNorm between the two factors of each conv
+    frobenius_decay: float = 0.0  # λ of Frobenius decay on low-rank layers (0: plain weight decay)
+    # Optimisation
+    epochs: int = 10
+    batch_size: int = 128  # per process
+    eval_batch_size: int = 512
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 1e-4
+    schedule: str = "multistep"  # multistep (x0.1 at milestones), cosine, constant
+    milestones: list[float] = field(default_factory=lambda: [0.5, 0.75])  # fractions of epochs
+    lr_warmup_epochs: float = 0.0  # linear LR warm-up from 0
+    grad_clip: float = 0.0  # max gradient norm (0: off); the LM recipe uses 0.25
+    amp: bool = False  # bf16 autocast on CPU, fp16 autocast + GradScaler on CUDA
+    seed: int = 0
+    # Language models
+    bptt: int = 35
+    dropout: float = 0.65
+    # Distributed
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU), gloo, nccl
+    comm: str = "allreduce"  # allreduce, fp16, powersgd, signum, topk
+    powersgd_rank: int = 4
+    powersgd_start_iter: int = 10
+    topk_ratio: float = 0.01
+    signum_beta: float = 0.9
+    timeout_s: float = 300.0  # process-group timeout: a vanished peer is an error after this
+    # Run directory and checkpoints
+    out: str = ""  # run directory (empty: runs/<model>-<mode>)
+    resume: str = ""  # run directory to continue
+    checkpoint_every_epochs: int = 1
+    checkpoint_every_steps: int = 0  # 0: only at epoch ends
+    keep_checkpoints: int = 3
+    threads: int = 0  # torch intra-op threads per process (0: torch's default)
+    progress: bool = True  # tqdm progress bar on rank 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- checks --------------------------------------------------------------------------
+    def validate(self) -> None:
+        _choice("model", self.model, MODELS)
+        _choice("mode", self.mode, MODES)
+        _choice("comm", self.comm, COMMS)
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("backend", self.backend, ("auto", "gloo", "nccl"))
+        _positive("width", self.width)
+        _positive("epochs", self.epochs)
+        _positive("batch_size", self.batch_size)
+        _positive("eval_batch_size", self.eval_batch_size)
+        _positive("lr", self.lr)
+        _positive("bptt", self.bptt)
+        _positive("timeout_s", self.timeout_s)
+        _positive("powersgd_rank", self.powersgd_rank)
+        for name in ("train_subset", "test_subset", "keep_first", "checkpoint_every_epochs",
+                     "checkpoint_every_steps", "threads", "powersgd_start_iter"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
+        _positive("keep_checkpoints", self.keep_checkpoints)
+        for name in ("weight_decay", "grad_clip", "lr_warmup_epochs", "frobenius_decay", "momentum"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"dropout {self.dropout!r} is invalid: allowed 0 <= dropout < 1")
+        if not 0 < self.topk_ratio <= 1:
+            raise ConfigError(f"topk_ratio {self.topk_ratio!r} is invalid: allowed 0 < ratio <= 1")
+        if not 0 <= self.signum_beta < 1:
+            raise ConfigError(f"signum_beta {self.signum_beta!r} is invalid: allowed 0 <= beta < 1")
+        if self.warmup_epochs != "auto":
+            w = _int("warmup_epochs", self.warmup_epochs, "an integer >= 0 or 'auto'")
+            if self.mode == "pufferfish" and not 0 <= w < self.epochs:
+                raise ConfigError(f"warmup_epochs {w} is invalid with epochs {self.epochs}: "
+                                  f"allowed 0 <= warmup_epochs < epochs, or 'auto'")
+        if self.rank_ratio != "auto":
+            r = _float("rank_ratio", self.rank_ratio, "a number in (0, 1] or 'auto'")
+            if not 0 < r <= 1:
+                raise ConfigError(f"rank_ratio {r} is out of range: allowed 0 < ratio <= 1 or 'auto'")
+        if sorted(self.milestones) != list(self.milestones) or not all(
+                0 < m < 1 for m in self.milestones):
+            raise ConfigError(f"milestones {self.milestones!r} are invalid: allowed increasing "
+                              "fractions of the epochs, each in (0, 1)")
+
+    # -- derived values ------------------------------------------------------------------
+    @property
+    def warmup(self) -> int | str:
+        return "auto" if self.warmup_epochs == "auto" else int(self.warmup_epochs)
+
+    @property
+    def ratio(self) -> float | str:
+        return "auto" if self.rank_ratio == "auto" else float(self.rank_ratio)
+
+    @property
+    def is_lm(self) -> bool:
+        return self.model in ("lstm", "transformer")
+
+    def run_dir(self) -> Path:
+        return Path(self.out or f"runs/{self.model}-{self.mode}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} {value!r} is invalid: allowed {', '.join(allowed)}")
+
+
+def _positive(name: str, value: float) -> None:
+    if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{name} {value!r} is invalid: allowed a number > 0")
+
+
+def _int(name: str, value: str, allowed: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name} {value!r} is invalid: allowed {allowed}") from None
+
+
+def _float(name: str, value: str, allowed: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{name} {value!r} is invalid: allowed {allowed}") from None
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def field_kind(name: str) -> type:
+    """The Python type a field holds: bool, int, float, str or list (of str/float)."""
+    annotation = FIELDS[name].type
+    if isinstance(annotation, str):  # postponed annotations
+        annotation = eval(annotation, {"list": list})
+    return list if get_origin(annotation) is list else annotation
+
+
+def list_item_kind(name: str) -> type:
+    annotation = FIELDS[name].type
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {"list": list})
+    return get_args(annotation)[0]
+
+
+def coerce(name: str, value: Any) -> Any:
+    """Check/convert one raw value (from TOML or a flag string) to the field's type."""
+    if name not in FIELDS:
+        close = difflib.get_close_matches(name, FIELDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown configuration key {name!r}{hint}")
+    kind = field_kind(name)
+    if kind is list:
+        item = list_item_kind(name)
+        items = [s for s in value.split(",") if s] if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise ConfigError(f"{name} {value!r} is invalid: allowed a list")
+        return [coerce_scalar(name, v, item) for v in items]
+    return coerce_scalar(name, value, kind)
+
+
+def coerce_scalar(name: str, value: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif kind is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{name} {value!r} is invalid: allowed a {kind.__name__}")
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file at ``path``, then ``overrides`` (e.g. from flags)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        for key, value in raw.items():
+            values[key] = coerce(key, value)
+    for key, value in (overrides or {}).items():
+        values[key] = coerce(key, value)
+    return TrainConfig(**values)
+
+
+def dump_toml(config: TrainConfig) -> str:
+    """The configuration as TOML (flat keys; every value a string, number, bool or list)."""
+    lines = []
+    for key, value in config.to_dict().items():
+        lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")

@@ -1,0 +1,99 @@
+"""The torchrun environment and DDP (re-)wrapping. Knows nothing of low-rank layers.
+
+``pufferfish train`` runs unchanged as one process or under ``torchrun``: torchrun sets ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` and we join its group through
+the ``env://`` rendezvous. One process (no ``WORLD_SIZE``) trains without a process group and
+without DDP, through the same training loop.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["DistEnv", "all_reduce_sum", "broadcast_object", "cleanup", "setup", "wrap_ddp"]
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None  # None: a single process, no process group
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
+    """Join torchrun's process group if launched by it; pick the device and backend.
+
+    ``auto`` means NCCL when CUDA is available and gloo otherwise. ``timeout_s`` bounds every
+    collective: a peer that vanished makes the others fail after it instead of hanging forever.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if backend == "nccl" and not cuda:
+        raise ValueError("backend 'nccl' needs CUDA, which is not available here: use gloo or auto")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        return DistEnv(device=device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if backend == "nccl" else None)
+    return DistEnv(rank, world_size, local_rank, device, backend)
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_ddp(model: nn.Module, env: DistEnv) -> nn.Module:
+    """Wrap ``model`` for data parallelism (identity on one process).
+
+    DDP's constructor broadcasts rank 0's parameters and buffers, so every replica starts from the
+    same weights: after a switch to the factorized model this is what makes the replicas identical
+    even if the SVDs differed in the last bit across ranks.
+    """
+    if not env.distributed:
+        return model
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=True)
+
+
+def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
+    """Sum a few numbers over ranks (metrics); identity on one process."""
+    if not env.distributed:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def broadcast_object(obj: Any, env: DistEnv) -> Any:
+    """Rank 0's ``obj`` on every rank (decisions that must agree, e.g. the switch epoch)."""
+    if not env.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,196 @@
+"""Low-rank replacement of ``nn.LSTM``.
+
+Per layer, the stacked input-to-hidden weight ``W_ih`` (``4h x in``) and hidden-to-hidden weight
+``W_hh`` (``4h x h``) of the four gates (order i, f, g, o, as in ``nn.LSTM``) each become a
+product ``u @ v`` with ``u = U√Σ`` and ``v = √ΣVᵀ`` (:func:`svd_split`); the biases stay dense.
+
+Rank choice: one ``rank`` is asked for and every matrix gets ``min(rank, rows, cols)``. So
+``full_rank`` is the largest ``min(rows, cols)`` over the matrices,
+``max(h, min(4h, input_size))``: the smallest rank at which every matrix is kept exactly, hence
+the rank at which the layer reproduces the dense LSTM. When ``input_size == hidden_size`` (the
+usual language-model case) that is simply ``h``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Self
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence
+
+from .base import LowRankModule, register_low_rank
+from .svd import svd_split
+
+__all__ = ["LowRankLSTM"]
+
+
+def _unsupported(bidirectional: bool, proj_size: int) -> str | None:
+    if bidirectional:
+        return "a bidirectional LSTM (bidirectional=True)"
+    if proj_size > 0:
+        return f"an LSTM with projections (proj_size={proj_size})"
+    return None
+
+
+def _matrices(input_size: int, hidden_size: int, num_layers: int) -> list[tuple[str, int, int]]:
+    """``(suffix, rows, cols)`` of every weight matrix in ``nn.LSTM``'s order ``ih_l0, hh_l0, ...``."""
+    return [(f"{kind}_l{k}", 4 * hidden_size, cols)
+            for k in range(num_layers)
+            for kind, cols in (("ih", input_size if k == 0 else hidden_size), ("hh", hidden_size))]
+
+
+class LowRankLSTM(LowRankModule):
+    """Drop-in ``nn.LSTM`` (unidirectional, no projections) with rank-``rank`` gate weights.
+
+    Each layer computes the input projection of the whole sequence with one pair of matmuls
+    before the time loop, so the loop only evaluates the recurrent ``h @ v_hhᵀ @ u_hhᵀ``.
+    Factors are ``u_{ih,hh}_l{k}`` (``4h x r``) and ``v_{ih,hh}_l{k}`` (``r x cols``); biases
+    ``bias_{ih,hh}_l{k}`` as in ``nn.LSTM``. ``PackedSequence`` input is not supported.
+    """
+
+    dense_type = nn.LSTM
+
+    def __init__(self, input_size: int, hidden_size: int, rank: int, num_layers: int = 1,
+                 bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
+                 bidirectional: bool = False, proj_size: int = 0,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        reason = _unsupported(bidirectional, proj_size)
+        if reason is not None:
+            raise ValueError(f"LowRankLSTM does not support {reason}")
+        if rank < 1:
+            raise ValueError(f"rank {rank} is out of range: it must be at least 1")
+        self.input_size, self.hidden_size, self.rank = input_size, hidden_size, rank
+        self.num_layers, self.bias = num_layers, bias
+        self.batch_first, self.dropout = batch_first, dropout
+        factory = {"device": device, "dtype": dtype}
+        for suffix, rows, cols in _matrices(input_size, hidden_size, num_layers):
+            r = min(rank, rows, cols)
+            self.register_parameter(f"u_{suffix}", nn.Parameter(torch.empty(rows, r, **factory)))
+            self.register_parameter(f"v_{suffix}", nn.Parameter(torch.empty(r, cols, **factory)))
+            if bias:
+                self.register_parameter(f"bias_{suffix}", nn.Parameter(torch.empty(rows, **factory)))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.LSTM``'s init, U(-k, k) with k = 1/√h, in distribution of the merged weights.
+
+        Factor entries U(-a, a) with ``a = (3/r)^¼ √k`` give every entry of ``u @ v`` the variance
+        k²/3 of a dense U(-k, k) entry, so a freshly built low-rank LSTM starts at the usual scale.
+        """
+        k = 1.0 / math.sqrt(self.hidden_size)
+        for name, p in self.named_parameters():
+            if name.startswith("bias_"):
+                nn.init.uniform_(p, -k, k)
+            else:
+                r = p.shape[1] if name.startswith("u_") else p.shape[0]
+                a = (3.0 / r) ** 0.25 * math.sqrt(k)
+                nn.init.uniform_(p, -a, a)
+
+    def forward(self, input: torch.Tensor, hx: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """``nn.LSTM.forward``: ``(output, (h_n, c_n))`` for batched or unbatched ``input``."""
+        if isinstance(input, PackedSequence):
+            raise TypeError("LowRankLSTM does not accept PackedSequence input; pass a padded tensor")
+        batched = input.dim() == 3
+        if not batched:
+            input = input.unsqueeze(1)
+            hx = None if hx is None else (hx[0].unsqueeze(1), hx[1].unsqueeze(1))
+        elif self.batch_first:
+            input = input.transpose(0, 1)
+        batch = input.shape[1]
+        expected = (self.num_layers, batch, self.hidden_size)
+        if hx is None:
+            zeros = input.new_zeros(expected)
+            hx = (zeros, zeros)
+        for name, state in zip(("h_0", "c_0"), hx):
+            if tuple(state.shape) != expected:
+                raise RuntimeError(f"Expected {name} of shape {expected}, got {tuple(state.shape)}")
+
+        layer_input, h_n, c_n = input, [], []
+        for k in range(self.num_layers):
+            u_ih, v_ih = getattr(self, f"u_ih_l{k}"), getattr(self, f"v_ih_l{k}")
+            u_hh, v_hh = getattr(self, f"u_hh_l{k}"), getattr(self, f"v_hh_l{k}")
+            bias = getattr(self, f"bias_ih_l{k}") + getattr(self, f"bias_hh_l{k}") if self.bias else None
+            # All time steps' input projections at once; only the recurrence stays in the loop.
+            gates_x = F.linear(F.linear(layer_input, v_ih), u_ih, bias)
+            h, c = hx[0][k], hx[1][k]
+            steps = []
+            for gx in gates_x:
+                i, f, g, o = (gx + F.linear(F.linear(h, v_hh), u_hh)).chunk(4, dim=-1)
+                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                h = torch.sigmoid(o) * torch.tanh(c)
+                steps.append(h)
+            layer_input = torch.stack(steps)
+            if self.training and self.dropout > 0 and k < self.num_layers - 1:
+                layer_input = F.dropout(layer_input, self.dropout)
+            h_n.append(h)
+            c_n.append(c)
+
+        output, h_n, c_n = layer_input, torch.stack(h_n), torch.stack(c_n)
+        if not batched:
+            return output.squeeze(1), (h_n.squeeze(1), c_n.squeeze(1))
+        if self.batch_first:
+            output = output.transpose(0, 1)
+        return output, (h_n, c_n)
+
+    @classmethod
+    def unsupported_reason(cls, dense: nn.LSTM) -> str | None:
+        return _unsupported(dense.bidirectional, dense.proj_size)
+
+    @classmethod
+    def full_rank(cls, dense: nn.LSTM) -> int:
+        return max(min(rows, cols)
+                   for _, rows, cols in _matrices(dense.input_size, dense.hidden_size,
+                                                  dense.num_layers))
+
+    @classmethod
+    def params_at_rank(cls, dense: nn.LSTM, rank: int) -> int:
+        matrices = _matrices(dense.input_size, dense.hidden_size, dense.num_layers)
+        biases = sum(rows for _, rows, _ in matrices) if dense.bias else 0
+        return sum(min(rank, rows, cols) * (rows + cols) for _, rows, cols in matrices) + biases
+
+    @classmethod
+    def from_dense(cls, dense: nn.LSTM, rank: int, **options: object) -> Self:
+        w = dense.weight_ih_l0
+        layer = cls(dense.input_size, dense.hidden_size, rank, num_layers=dense.num_layers,
+                    bias=dense.bias, batch_first=dense.batch_first, dropout=dense.dropout,
+                    bidirectional=dense.bidirectional, proj_size=dense.proj_size,
+                    device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            for suffix, rows, cols in _matrices(dense.input_size, dense.hidden_size,
+                                                dense.num_layers):
+                left, right = svd_split(getattr(dense, f"weight_{suffix}"), min(rank, rows, cols))
+                getattr(layer, f"u_{suffix}").copy_(left)
+                getattr(layer, f"v_{suffix}").copy_(right)
+                if dense.bias:
+                    getattr(layer, f"bias_{suffix}").copy_(getattr(dense, f"bias_{suffix}"))
+        return layer
+
+    def to_dense(self) -> nn.LSTM:
+        w = self.u_ih_l0
+        dense = nn.LSTM(self.input_size, self.hidden_size, num_layers=self.num_layers,
+                        bias=self.bias, batch_first=self.batch_first, dropout=self.dropout,
+                        device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            for suffix, _, _ in _matrices(self.input_size, self.hidden_size, self.num_layers):
+                merged = getattr(self, f"u_{suffix}") @ getattr(self, f"v_{suffix}")
+                getattr(dense, f"weight_{suffix}").copy_(merged)
+                if self.bias:
+                    getattr(dense, f"bias_{suffix}").copy_(getattr(self, f"bias_{suffix}"))
+        return dense
+
+    def factor_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(getattr(self, f"u_{suffix}"), getattr(self, f"v_{suffix}"))
+                for suffix, _, _ in _matrices(self.input_size, self.hidden_size, self.num_layers)]
+
+    def extra_repr(self) -> str:
+        return (f"{self.input_size}, {self.hidden_size}, rank={self.rank}, "
+                f"num_layers={self.num_layers}, bias={self.bias}, "
+                f"batch_first={self.batch_first}, dropout={self.dropout}")
+
+
+register_low_rank(nn.LSTM, LowRankLSTM)

@@ -1,0 +1,204 @@
+"""The Pufferfish schedule: full-rank warm-up, then one switch to the factorized model.
+
+The switch is the method's single moment of surgery, and it lives in :meth:`Recipe.switch`:
+
+1. factorize the (unwrapped) model in place, identically on every rank (same weights, same plan);
+2. build a new optimizer of the same class and hyper-parameters over the new parameters. Momentum
+   and other optimizer state are *reset*, as in the paper: the old buffers belong to dense weights
+   that no longer exist, and projecting them onto the factors is not worth its complexity;
+3. continue the LR schedule where it was: a scheduler is re-pointed at the new optimizer, keeping
+   its step count (the training loop of this package computes the LR from the step instead);
+4. re-wrap in DDP (whose constructor broadcasts rank 0's parameters, so replicas are identical)
+   and call ``on_wrap`` to re-register the communication hook with fresh state.
+
+Use it from your own loop::
+
+    recipe = pufferfish.Recipe(warmup_epochs=2, rank_ratio=0.25, preset="paper")
+    for epoch in range(epochs):
+        model, optimizer, scheduler = recipe.on_epoch_start(epoch, model, optimizer, scheduler)
+        train_one_epoch(model, optimizer, scheduler)
+
+``warmup_epochs="auto"`` switches when every layer's stable rank has settled, ``rank_ratio="auto"``
+picks per-layer ranks from the stable ranks, ``keep="auto"`` profiles each layer and keeps those
+that factorizing does not make cheaper (see :mod:`pufferfish.auto`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .lowrank import FactorizationReport, factorize
+
+__all__ = ["Recipe", "rebuild_optimizer"]
+
+ParamGroupsFn = Callable[[nn.Module], Sequence[dict[str, Any]]]
+
+
+class Recipe:
+    """When and how a model is switched from full-rank to low-rank.
+
+    Args:
+        warmup_epochs: full-rank epochs before the switch (the paper: about 10% of training);
+            0 factorizes at the start of epoch 0 (spectral initialization of a low-rank model);
+            ``"auto"``: when every tracked layer's stable rank has stopped changing.
+        rank_ratio: rank as a fraction of each layer's full rank (paper: 1/4), or ``"auto"``.
+        keep: glob patterns of layers kept full-rank, or ``"auto"`` (profile; preset still applies).
+        preset: the model's named preset of full-rank layers (``"paper"``), or None.
+        keep_first: also keep the first K factorizable layers full-rank (hybrid network).
+        extra_bn: BatchNorm between the factors of each conv.
+        example_input: a batch for the forward-order trace, MAC counts and ``keep="auto"``.
+        param_groups: builds the new optimizer's parameter groups from the factorized model
+            (default: one group with every parameter).
+        on_wrap: called with each new DDP wrapper, e.g. to register a comm hook.
+        min_warmup, max_warmup: bounds of the automatic switch epoch.
+    """
+
+    def __init__(
+        self,
+        warmup_epochs: int | str = 2,
+        rank_ratio: float | str = 0.25,
+        keep: Iterable[str] | str = (),
+        preset: str | None = None,
+        keep_first: int = 0,
+        extra_bn: bool = False,
+        example_input: Any = None,
+        param_groups: ParamGroupsFn | None = None,
+        on_wrap: Callable[[DistributedDataParallel], Any] | None = None,
+        min_warmup: int = 1,
+        max_warmup: int | None = None,
+    ) -> None:
+        if warmup_epochs != "auto" and (isinstance(warmup_epochs, bool) or not isinstance(
+                warmup_epochs, int) or warmup_epochs < 0):
+            raise ValueError(f"warmup_epochs {warmup_epochs!r} is invalid: allowed an integer >= 0 "
+                             "or 'auto'")
+        self.warmup_epochs = warmup_epochs
+        self.rank_ratio = rank_ratio
+        self.keep_auto = keep == "auto"
+        self.keep = [] if keep == "auto" else ([keep] if isinstance(keep, str) else list(keep))
+        self.preset = preset
+        self.keep_first = keep_first
+        self.extra_bn = extra_bn
+        self.example_input = example_input
+        self.param_groups = param_groups
+        self.on_wrap = on_wrap
+        self.switched_at: int | None = None
+        self.report: FactorizationReport | None = None
+        self.decisions: dict[str, Any] = {}  # what the automatic choices measured and chose
+        self.tracker = None
+        self.detector = None
+        if warmup_epochs == "auto" or rank_ratio == "auto":
+            from .auto import SwitchDetector
+
+            self.detector = SwitchDetector(min_epochs=min_warmup, max_epochs=max_warmup)
+
+    @property
+    def switched(self) -> bool:
+        return self.switched_at is not None
+
+    def observe(self, epoch: int, model: nn.Module) -> dict[str, float]:
+        """Record the stable ranks of the full-rank layers (automatic choices only)."""
+        if self.detector is None or self.switched:
+            return {}
+        from .auto import StableRankTracker
+
+        inner = _unwrap(model)
+        if self.tracker is None:
+            self.tracker = StableRankTracker(inner)
+        return self.tracker.observe(epoch)
+
+    def should_switch(self, epoch: int, model: nn.Module) -> bool:
+        """Whether to factorize at the start of ``epoch``; the same answer on every rank."""
+        if self.switched:
+            return False
+        if self.warmup_epochs != "auto":
+            return epoch >= self.warmup_epochs
+        if epoch == 0:
+            return False
+        ranks = self.tracker.history_at(epoch) if self.tracker is not None else {}
+        decide = self.detector.update(epoch, ranks)
+        return bool(_agree(decide))
+
+    def on_epoch_start(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                       scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        if self.switched_at is None and epoch == 0 and self.detector is not None:
+            self.observe(0, model)
+        if self.should_switch(epoch, model):
+            return self.switch(epoch, model, optimizer, scheduler)
+        return model, optimizer, scheduler
+
+    def factorize_kwargs(self, model: nn.Module) -> dict[str, Any]:
+        """The arguments of :func:`pufferfish.factorize` this recipe uses for ``model``."""
+        kwargs: dict[str, Any] = dict(keep=list(self.keep), preset=self.preset,
+                                      keep_first=self.keep_first, extra_bn=self.extra_bn,
+                                      example_input=self.example_input)
+        if self.rank_ratio == "auto":
+            from .auto import choose_ranks
+
+            ranks = _agree(choose_ranks(self.tracker if self.tracker is not None else model))
+            self.decisions["ranks"] = ranks
+            kwargs["overrides"] = ranks
+        else:
+            kwargs["rank_ratio"] = float(self.rank_ratio)
+        if self.keep_auto:
+            from .auto import profile_keep
+
+            if self.example_input is None:
+                raise ValueError("keep='auto' needs an example_input to profile the layers")
+            keep, measured = profile_keep(model, self.example_input, kwargs.get("overrides"),
+                                          rank_ratio=kwargs.get("rank_ratio", 0.25))
+            keep = _agree(keep)  # timings differ across ranks: rank 0 decides for all
+            self.decisions["keep_auto"] = {"keep": keep, "measurements": measured}
+            kwargs["keep"] += keep
+        return kwargs
+
+    def switch(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
+        """Factorize ``model`` and rebuild what depends on its parameters (see module docs)."""
+        inner = _unwrap(model)
+        self.report = factorize(inner, **self.factorize_kwargs(inner))
+        self.switched_at = epoch
+        if optimizer is not None:
+            optimizer = rebuild_optimizer(optimizer, inner, self.param_groups)
+            if scheduler is not None:
+                scheduler.optimizer = optimizer
+        if isinstance(model, DistributedDataParallel):
+            model = DistributedDataParallel(inner, device_ids=model.device_ids,
+                                            process_group=model.process_group)
+            if self.on_wrap is not None:
+                self.on_wrap(model)
+        return model, optimizer, scheduler
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
+                      param_groups: ParamGroupsFn | None = None) -> torch.optim.Optimizer:
+    """A fresh optimizer of ``optimizer``'s class and settings over ``model``'s parameters.
+
+    The current learning rate (and ``initial_lr``, which LR schedulers read) is carried over from
+    the first group of the old optimizer; state such as momentum starts from zero.
+    """
+    groups = list(param_groups(model)) if param_groups else [{"params": list(model.parameters())}]
+    new = type(optimizer)(groups, **optimizer.defaults)
+    carried = {k: optimizer.param_groups[0][k] for k in ("lr", "initial_lr")
+               if k in optimizer.param_groups[0]}
+    for group in new.param_groups:
+        group.update(carried)
+    return new
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _agree(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank, so that data-dependent decisions cannot diverge."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,692 @@
+"""Crash-safe, pickle-free checkpoint store for a training run directory.
+
+Layout: ``run_dir/checkpoints/ckpt-{step:09d}.pt`` (the ``torch.save`` payload) plus
+``ckpt-{step:09d}.json`` (a manifest holding the payload's size and SHA-256).
+
+Why it is built this way:
+
+* **Atomicity.** Every file is written to a hidden temp file in the same directory,
+  flushed, ``fsync``-ed, ``os.replace``-d onto its final name, and the directory is
+  ``fsync``-ed. A reader therefore never sees a half-written file under a final name,
+  even after a kill or power loss.
+* **Completeness marker.** The manifest is written *after* the payload is in place, so
+  "a manifest exists and matches" means "this checkpoint is complete". A payload
+  without a manifest (killed between the two renames) is treated as incomplete.
+* **Integrity.** :func:`load_checkpoint` checks size and SHA-256 before unpickling, so
+  truncation or bit rot is reported as such rather than as a confusing unpickling error.
+* **No code execution.** Loading uses ``torch.load(weights_only=True)`` only. A file
+  whose pickle references arbitrary globals (e.g. an object whose ``__reduce__`` calls
+  ``os.system``) is refused with :class:`UnsafeCheckpointError` before anything runs.
+  Note: globals that the *process* registered via
+  ``torch.serialization.add_safe_globals`` widen what ``weights_only`` accepts.
+* **Fail before writing.** :func:`save_checkpoint` walks ``state`` first and refuses
+  anything ``weights_only`` loading could not read back, so a run never discovers at
+  resume time that its checkpoints are unloadable.
+
+What ``state`` may contain (everything else is refused at save time, naming the key):
+``dict`` / ``collections.OrderedDict`` / ``collections.Counter``, ``list``, ``tuple``,
+``set``, ``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``, ``bytes``,
+``bytearray``, plain ``torch.Tensor`` / ``nn.Parameter``, ``torch.Size``,
+``torch.dtype``, ``torch.device``. In practice:
+
+* ``module.state_dict()``, ``optimizer.state_dict()`` (SGD momentum buffers, Adam
+  ``step`` tensors, ...) and the built-in LR schedulers' ``state_dict()`` work as is.
+  Schedulers holding callables (e.g. ``LambdaLR`` with a callable *object*) do not.
+* ``torch.get_rng_state()`` / ``torch.cuda.get_rng_state_all()`` are tensors: fine.
+* ``random.getstate()`` is a tuple of ints (and ``None``): survives as is; pass it
+  straight back to ``random.setstate``.
+* ``numpy.random.get_state()`` contains an ``ndarray``, and numpy scalars
+  (``np.float64`` metrics, ...) are numpy objects: convert them (``float(x)``,
+  ``torch.from_numpy(a)``). :func:`capture_rng_state` / :func:`restore_rng_state`
+  do this for all RNGs.
+* ``namedtuple``, dataclasses, ``defaultdict``, ``pathlib.Path``, enums: convert to
+  plain dicts / lists / strings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import math
+import os
+import pickle
+import random
+import re
+import secrets
+import socket
+import time
+import warnings
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointWarning",
+    "UnsafeCheckpointError",
+    "capture_rng_state",
+    "checkpoint_step",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "restore_rng_state",
+    "save_checkpoint",
+    "verify_compatible",
+]
+
+CHECKPOINT_SUBDIR = "checkpoints"
+MANIFEST_FORMAT = "pufferfish-checkpoint"
+MANIFEST_VERSION = 1
+
+_PT_RE = re.compile(r"^ckpt-(\d{9,})\.pt$")
+_JSON_RE = re.compile(r"^ckpt-(\d{9,})\.json$")
+_TMP_RE = re.compile(
+    r"^\.(?P<final>ckpt-\d{9,}\.(?:pt|json))\.(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$"
+)
+
+_MAX_REPORTED = 3
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, verified, loaded, or does not match this run."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """The file passed its checksum but is not a plain-weights checkpoint.
+
+    Distinct from :class:`CheckpointError` because it does not look like a crash
+    artifact: :func:`latest_checkpoint` raises it instead of silently falling back.
+    """
+
+
+class CheckpointWarning(UserWarning):
+    """An incomplete or corrupt checkpoint was skipped in favour of an older one."""
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def _ckpt_dir(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / CHECKPOINT_SUBDIR
+
+
+def _pt_name(step: int) -> str:
+    return f"ckpt-{step:09d}.pt"
+
+
+def _manifest_path(pt_path: Path) -> Path:
+    return pt_path.with_suffix(".json")
+
+
+def checkpoint_step(path: str | os.PathLike[str]) -> int:
+    """Return the step encoded in a checkpoint file name (``ckpt-000001200.pt`` -> 1200).
+
+    Lets the training loop resume its step counter from the path returned by
+    :func:`latest_checkpoint` without storing it twice.
+    """
+    m = _PT_RE.match(Path(path).name)
+    if m is None:
+        raise CheckpointError(f"{path} is not a checkpoint file name (expected ckpt-NNNNNNNNN.pt)")
+    return int(m.group(1))
+
+
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
+
+
+def _temp_path(final: Path) -> Path:
+    # Hidden and ending in .tmp so no reader glob ever matches it; host + pid let a later
+    # save recognise (and remove) temps orphaned by a killed writer.
+    return final.parent / f".{final.name}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+# ------------------------------------------------------------------ low-level I/O
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Persist directory entries (renames/unlinks); without it a rename can be lost."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # e.g. platforms that cannot open directories
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """File-like wrapper that hashes and counts bytes as ``torch.save`` writes them.
+
+    Avoids re-reading a multi-GB checkpoint just to compute its checksum.
+    """
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        n = self._f.write(data)
+        view = memoryview(data).cast("B")
+        self.sha256.update(view)
+        self.size += view.nbytes
+        return n if n is not None else view.nbytes
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _atomic_write(final: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``final`` via temp file + fsync + rename + directory fsync.
+
+    On any failure the temp file is removed and the exception propagates; ``final`` is
+    either its old content or the complete new content, never a mixture.
+    """
+    tmp = _temp_path(final)
+    try:
+        with open(tmp, "xb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(final.parent)
+
+
+def _describe_failure(exc: BaseException) -> str:
+    """Name the root OSError (torch wraps ENOSPC from file objects in a RuntimeError)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno is not None:
+            name = errno.errorcode.get(cur.errno, str(cur.errno))
+            return f"{name}: {cur.strerror or cur}"
+        cur = cur.__cause__ or cur.__context__
+    return f"{type(exc).__name__}: {_one_line(str(exc))}"
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _sha256_file(path: Path) -> tuple[str, int]:
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256")
+        size = f.tell()
+    return digest.hexdigest(), size
+
+
+# ------------------------------------------------------------- state validation
+
+_LEAF_TYPES = (
+    type(None), bool, int, float, complex, str, bytes, bytearray,
+    torch.dtype, torch.device, torch.Size,
+)
+_DICT_TYPES = (dict, OrderedDict, Counter)
+_SEQ_TYPES = (list, tuple, set)
+
+
+def _key_path(parent: str, key: Any) -> str:
+    return f"{parent}[{key!r}]"
+
+
+def _check_weights_only_safe(obj: Any, where: str = "state", _seen: set[int] | None = None) -> None:
+    """Refuse values ``torch.load(weights_only=True)`` could not read back, naming the key."""
+    if _seen is None:
+        _seen = set()
+    t = type(obj)
+    if t in _LEAF_TYPES:
+        return
+    if t is torch.Tensor or t is nn.Parameter:
+        return
+    if id(obj) in _seen:
+        return
+    if t in _DICT_TYPES:
+        _seen.add(id(obj))
+        for k, v in obj.items():
+            if type(k) not in _LEAF_TYPES:
+                raise CheckpointError(
+                    f"cannot save {where}: key {k!r} has type {t.__module__}.{type(k).__qualname__}; "
+                    "use str/int keys"
+                )
+            _check_weights_only_safe(v, _key_path(where, k), _seen)
+        return
+    if t in _SEQ_TYPES:
+        _seen.add(id(obj))
+        for i, v in enumerate(obj):
+            _check_weights_only_safe(v, _key_path(where, i), _seen)
+        return
+    raise CheckpointError(
+        f"cannot save {where}: {t.__module__}.{t.__qualname__} would not load with "
+        f"torch.load(weights_only=True); {_conversion_hint(obj)}"
+    )
+
+
+def _conversion_hint(obj: Any) -> str:
+    mod = type(obj).__module__ or ""
+    if mod.startswith("numpy"):
+        return "convert numpy values (float(x), int(x), torch.from_numpy(a))"
+    if isinstance(obj, torch.Tensor):
+        return "convert the tensor subclass to a plain tensor (t.as_subclass(torch.Tensor))"
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return "convert the namedtuple with ._asdict() or tuple(x)"
+    if isinstance(obj, Mapping):
+        return "convert the mapping with dict(x)"
+    if isinstance(obj, os.PathLike):
+        return "store the path as str(x)"
+    if callable(obj):
+        return "callables cannot be stored; store a name or config instead"
+    return "convert it to plain dicts/lists/numbers/strings/tensors"
+
+
+# ---------------------------------------------------------------------- saving
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike[str], state: dict[str, Any], step: int, keep_last: int = 3
+) -> Path:
+    """Atomically write ``state`` as the checkpoint for ``step`` and prune old ones.
+
+    Order of operations (each step durable before the next, so a kill at any point
+    leaves every *previous* checkpoint intact and the new one either complete or
+    recognisably incomplete):
+
+    1. validate ``state`` loads with ``weights_only=True`` (see module docstring);
+    2. remove an existing manifest for the same ``step`` (re-save) so the old manifest
+       never vouches for new bytes;
+    3. ``torch.save`` to a temp file, fsync, rename to ``ckpt-{step:09d}.pt``, fsync dir;
+    4. write the manifest (size + SHA-256) the same way;
+    5. prune: keep the newest ``keep_last`` complete checkpoints (always including this
+       one); checkpoints with a *larger* step than ``step`` are left alone.
+
+    Raises :class:`CheckpointError` (naming the path and e.g. ``ENOSPC``) if writing
+    fails; the temp files and any partial files for ``step`` are removed. Pruning
+    failures only warn: the new checkpoint is already safe.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict, got {type(state).__name__}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+    _check_weights_only_safe(state)
+
+    ckpt_dir = _ckpt_dir(run_dir)
+    pt_path = ckpt_dir / _pt_name(step)
+    manifest_path = _manifest_path(pt_path)
+    try:
+        created = not ckpt_dir.is_dir()
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if created:
+            _fsync_dir(ckpt_dir.parent)
+        _remove_orphaned_temps(ckpt_dir)
+        if manifest_path.exists():
+            manifest_path.unlink()
+            _fsync_dir(ckpt_dir)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot prepare checkpoint directory {ckpt_dir}: {_describe_failure(exc)}"
+        ) from exc
+
+    hashed: dict[str, Any] = {}
+
+    def write_payload(f: IO[bytes]) -> None:
+        w = _HashingWriter(f)
+        torch.save(state, w)  # type: ignore[arg-type]
+        hashed["sha256"], hashed["size"] = w.sha256.hexdigest(), w.size
+
+    def write_manifest(f: IO[bytes]) -> None:
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "file": pt_path.name,
+            "step": step,
+            "size": hashed["size"],
+            "sha256": hashed["sha256"],
+            "torch_version": torch.__version__,
+            "created_unix": time.time(),
+        }
+        f.write((json.dumps(manifest, indent=1) + "\n").encode())
+
+    current = pt_path
+    try:
+        _atomic_write(pt_path, write_payload)
+        current = manifest_path
+        _atomic_write(manifest_path, write_manifest)
+    except Exception as exc:
+        # A payload without a manifest is useless; remove it so it neither wastes the
+        # space that just ran out nor triggers "skipped incomplete" warnings later.
+        for p in (manifest_path, pt_path):
+            with contextlib.suppress(OSError):
+                p.unlink()
+        with contextlib.suppress(OSError):
+            _fsync_dir(ckpt_dir)
+        raise CheckpointError(
+            f"failed to write checkpoint {current}: {_describe_failure(exc)}"
+        ) from exc
+
+    _prune(ckpt_dir, step, keep_last)
+    return pt_path
+
+
+def _remove_orphaned_temps(ckpt_dir: Path) -> None:
+    """Delete temp files left by killed writers on this host (their pid is gone)."""
+    host = _host_tag()
+    for entry in ckpt_dir.iterdir():
+        m = _TMP_RE.match(entry.name)
+        if m is None or m.group("host") != host:
+            continue
+        pid = int(m.group("pid"))
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+        except OSError:
+            pass  # alive but not ours (EPERM), or unknown: leave it
+
+
+def _scan(ckpt_dir: Path) -> tuple[set[int], set[int]]:
+    """Return (steps with a payload, steps with a manifest)."""
+    pts: set[int] = set()
+    manifests: set[int] = set()
+    if not ckpt_dir.is_dir():
+        return pts, manifests
+    for entry in ckpt_dir.iterdir():
+        if m := _PT_RE.match(entry.name):
+            pts.add(int(m.group(1)))
+        elif m := _JSON_RE.match(entry.name):
+            manifests.add(int(m.group(1)))
+    return pts, manifests
+
+
+def _prune(ckpt_dir: Path, step: int, keep_last: int) -> None:
+    pts, manifests = _scan(ckpt_dir)
+    complete = sorted(s for s in pts & manifests if s <= step)
+    keep = set(complete[-keep_last:]) | {step}
+    doomed = sorted(s for s in pts | manifests if s < step and s not in keep)
+    failed: list[str] = []
+    for s in doomed:
+        pt = ckpt_dir / _pt_name(s)
+        # Manifest first: a crash mid-prune leaves an "incomplete" payload, never a
+        # manifest vouching for a missing file.
+        for p in (_manifest_path(pt), pt):
+            try:
+                p.unlink(missing_ok=True)
+            except OSError as exc:
+                failed.append(f"{p} ({_describe_failure(exc)})")
+    if doomed:
+        with contextlib.suppress(OSError):
+            _fsync_dir(ckpt_dir)
+    if failed:
+        warnings.warn(
+            f"could not prune old checkpoints: {', '.join(failed)}", CheckpointWarning, stacklevel=3
+        )
+
+
+# --------------------------------------------------------------------- loading
+
+
+def _verify_manifest(pt_path: Path) -> None:
+    manifest_path = _manifest_path(pt_path)
+    try:
+        raw = manifest_path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{pt_path} has no manifest {manifest_path.name} (write interrupted?)"
+        ) from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read manifest {manifest_path}: {_describe_failure(exc)}") from exc
+    try:
+        manifest = json.loads(raw)
+        expected_size = int(manifest["size"])
+        expected_sha = str(manifest["sha256"]).lower()
+        ok = manifest.get("format") == MANIFEST_FORMAT and manifest.get("file") == pt_path.name
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"manifest {manifest_path} is corrupt: {_one_line(str(exc))}") from exc
+    if not ok:
+        raise CheckpointError(f"manifest {manifest_path} does not describe {pt_path.name}")
+    try:
+        actual_size = pt_path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"{pt_path} is missing (manifest {manifest_path.name} exists)") from None
+    if actual_size != expected_size:
+        raise CheckpointError(
+            f"{pt_path} is {actual_size} bytes, manifest says {expected_size} (truncated?)"
+        )
+    actual_sha, _ = _sha256_file(pt_path)
+    if actual_sha != expected_sha:
+        raise CheckpointError(f"{pt_path} fails its SHA-256 check (corrupted)")
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], *, map_location: Any = "cpu"
+) -> dict[str, Any]:
+    """Verify ``path`` against its manifest, then load it with ``weights_only=True``.
+
+    Never falls back to full unpickling: a file whose pickle references anything but
+    tensors and plain containers raises :class:`UnsafeCheckpointError` and nothing in
+    it is executed. Size/checksum/manifest problems raise :class:`CheckpointError`.
+    ``map_location`` defaults to ``"cpu"`` so a GPU-saved checkpoint loads anywhere;
+    move the model/optimizer to the device after ``load_state_dict``.
+    """
+    pt_path = Path(path)
+    try:
+        _verify_manifest(pt_path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {pt_path}: {_describe_failure(exc)}") from exc
+    try:
+        state = torch.load(pt_path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{pt_path} is not a plain-weights checkpoint (refused by weights_only loading; "
+            f"not executed): {_first_line(exc)}"
+        ) from None
+    except Exception as exc:
+        raise CheckpointError(f"{pt_path} is unreadable: {_describe_failure(exc)}") from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{pt_path} holds a {type(state).__name__}, expected a dict")
+    return state
+
+
+def _first_line(exc: BaseException) -> str:
+    # torch's weights_only error is a long essay; the useful part is the "Unsupported
+    # global" line naming what the file tried to reference.
+    text = str(exc)
+    for line in text.splitlines():
+        if "Unsupported" in line or "GLOBAL" in line:
+            return _one_line(line.strip())
+    return _one_line(text)
+
+
+def _candidates(ckpt_dir: Path) -> Iterator[Path]:
+    pts, manifests = _scan(ckpt_dir)
+    for s in sorted(pts | manifests, reverse=True):
+        yield ckpt_dir / _pt_name(s)
+
+
+def latest_checkpoint(
+    run_dir: str | os.PathLike[str], *, map_location: Any = "cpu"
+) -> tuple[dict[str, Any], Path] | None:
+    """Return ``(state, path)`` of the newest complete, verified checkpoint, or None.
+
+    Checkpoints that are incomplete or corrupt (truncated, manifest missing or not
+    matching, checksum mismatch, unreadable archive) are skipped with one
+    :class:`CheckpointWarning` naming each skipped file and the file used instead: a
+    crash during a save must not stop the run from resuming from the previous one.
+
+    A file that passes its checksum but is refused as not plain-weights raises
+    :class:`UnsafeCheckpointError` instead: that is tampering or a bug, not a crash,
+    and silently resuming from an older checkpoint would hide it.
+    """
+    ckpt_dir = _ckpt_dir(run_dir)
+    skipped: list[str] = []
+    for pt_path in _candidates(ckpt_dir):
+        try:
+            state = load_checkpoint(pt_path, map_location=map_location)
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as exc:
+            skipped.append(f"{pt_path} ({exc})")
+            continue
+        if skipped:
+            warnings.warn(
+                f"skipped incomplete/corrupt checkpoint(s) {'; '.join(skipped)}; "
+                f"resuming from {pt_path} instead",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+        return state, pt_path
+    if skipped:
+        warnings.warn(
+            f"no usable checkpoint in {ckpt_dir}: skipped {'; '.join(skipped)}",
+            CheckpointWarning,
+            stacklevel=2,
+        )
+    return None
+
+
+# --------------------------------------------------------------- compatibility
+
+_MISSING = object()
+
+
+def _flatten(d: Mapping[Any, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a.cpu(), b.cpu()))
+        )
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        # Configs round-tripped through JSON turn tuples into lists; that is not a change.
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        fa, fb = _flatten(a), _flatten(b)
+        return fa.keys() == fb.keys() and all(_equal(fa[k], fb[k]) for k in fa)
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if (type(a) is bool) != (type(b) is bool):
+        return False  # True == 1 in Python, but a flag that became a rank is a change
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _show(v: Any) -> str:
+    return "<absent>" if v is _MISSING else _one_line(repr(v), 60)
+
+
+def verify_compatible(
+    saved_arch: Mapping[str, Any], current_arch: Mapping[str, Any], what: str = "architecture"
+) -> None:
+    """Raise :class:`CheckpointError` if two records (e.g. architectures) differ.
+
+    Resuming low-rank weights into a model whose factorization differs fails deep in
+    ``load_state_dict`` with shape errors, or worse, silently with a different rank
+    schedule; comparing the saved record first gives a message naming the culprit.
+    Nested dicts are compared leaf by leaf (keys joined with "."); the first
+    few differing keys are named with both values, in the saved record's order.
+    """
+    saved, current = _flatten(saved_arch), _flatten(current_arch)
+    diffs: list[str] = []
+    for key in [*saved, *(k for k in current if k not in saved)]:
+        a, b = saved.get(key, _MISSING), current.get(key, _MISSING)
+        if a is _MISSING or b is _MISSING or not _equal(a, b):
+            diffs.append(f"{key}: checkpoint has {_show(a)}, this run has {_show(b)}")
+    if diffs:
+        more = f"; and {len(diffs) - _MAX_REPORTED} more" if len(diffs) > _MAX_REPORTED else ""
+        raise CheckpointError(
+            f"{what} mismatch between checkpoint and this run: "
+            f"{'; '.join(diffs[:_MAX_REPORTED])}{more}"
+        )
+
+
+# ------------------------------------------------------------------------- RNG
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Snapshot python, numpy, torch (and CUDA) RNGs in a ``weights_only``-loadable form.
+
+    numpy's state contains an ``ndarray``, which ``weights_only`` refuses; it is stored
+    as an int64 tensor plus plain numbers. ``random.getstate()`` (a tuple of ints) is
+    stored unchanged.
+    """
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        np = None  # type: ignore[assignment]
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+        state["numpy"] = {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`capture_rng_state` captured (missing parts are left alone)."""
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].cpu())
+    if "numpy" in state:
+        import numpy as np
+
+        npst = state["numpy"]
+        np.random.set_state((
+            npst["kind"],
+            npst["keys"].numpy().astype(np.uint32),
+            int(npst["pos"]),
+            int(npst["has_gauss"]),
+            float(npst["cached_gaussian"]),
+        ))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = list(state["cuda"])
+        if len(cuda_states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([s.cpu() for s in cuda_states])
+        else:
+            warnings.warn(
+                f"checkpoint has CUDA RNG state for {len(cuda_states)} devices, this run has "
+                f"{torch.cuda.device_count()}; CUDA RNG not restored",
+                CheckpointWarning,
+                stacklevel=2,
+            )

@@ -1,0 +1,84 @@
+"""Per-epoch metrics of a run: ``metrics.jsonl`` (the record) and ``metrics.csv`` (for tools).
+
+Only rank 0 writes. Each file is rewritten whole through a temporary file and a rename, so a
+crash never leaves half a row, and a resumed run drops the rows of epochs it is about to redo.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsWriter", "read_metrics"]
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
+        self.run_dir, self.enabled = Path(run_dir), enabled
+        self.rows: list[dict[str, Any]] = []
+
+    def truncate(self, epochs_done: int) -> None:
+        """On resume: keep the rows of the first ``epochs_done`` epochs."""
+        self.rows = [r for r in read_metrics(self.run_dir) if r["epoch"] <= epochs_done]
+        self._flush()
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        self._flush()
+
+    def _flush(self) -> None:
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.run_dir / "metrics.jsonl",
+                      "".join(json.dumps(r, default=float) + "\n" for r in self.rows))
+        columns = [k for k in dict.fromkeys(k for r in self.rows for k in r)
+                   if not isinstance(self.rows[0].get(k), dict)] if self.rows else []
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, columns, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(self.rows)
+        _atomic_write(self.run_dir / "metrics.csv", buf.getvalue())
+
+    def final_table(self) -> str:
+        """A Markdown table of every epoch, printed at the end of a run."""
+        if not self.rows:
+            return ""
+        quality = "test_ppl" if "test_ppl" in self.rows[-1] else "test_acc"
+        cols = ["epoch", "train_loss", quality, "params", "macs", "lowrank", "epoch_time",
+                "comm_bytes_per_step"]
+        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in self.rows:
+            lines.append("| " + " | ".join(_fmt(c, r.get(c)) for c in cols) + " |")
+        return "\n".join(lines)
+
+
+def _fmt(column: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if column == "test_acc":
+        return f"{100 * value:.2f}%"
+    if column in ("params", "macs"):
+        return f"{value / 1e6:.2f}M"
+    if column == "comm_bytes_per_step":
+        return f"{value / 1e6:.2f} MB"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

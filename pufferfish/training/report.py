@@ -1,0 +1,132 @@
+"""``pufferfish report``: runs side by side, as Markdown and plots.
+
+Reads each run directory's ``metrics.jsonl`` and ``config.toml``; writes nothing into the runs.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from .metrics import read_metrics
+
+__all__ = ["compare_runs", "summarize_run"]
+
+
+def summarize_run(run_dir: str | Path) -> dict[str, Any]:
+    """The figures a comparison needs from one run directory."""
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise FileNotFoundError(f"run directory {str(run_dir)!r} has no metrics.jsonl rows")
+    cfg_path = run_dir / "config.toml"
+    cfg = tomllib.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    last = rows[-1]
+    lm = "test_ppl" in last
+    low = [r for r in rows if r.get("lowrank")]
+    full = [r for r in rows if not r.get("lowrank")]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs) if rs else None  # noqa: E731
+    return {
+        "run": run_dir.name,
+        "mode": cfg.get("mode", "?"),
+        "comm": cfg.get("comm", "?"),
+        "epochs": last["epoch"],
+        "quality_key": "test_ppl" if lm else "test_acc",
+        "final": last["test_ppl" if lm else "test_acc"],
+        "best": (min if lm else max)(r["test_ppl" if lm else "test_acc"] for r in rows),
+        "params": last["params"],
+        "macs": last["macs"],
+        "epoch_time": mean(rows, "epoch_time"),
+        "epoch_time_full": mean(full, "epoch_time"),
+        "epoch_time_lowrank": mean(low, "epoch_time"),
+        "total_time": sum(r["epoch_time"] for r in rows),
+        "bytes_per_step": last.get("comm_bytes_per_step", 0.0),
+        "switch_epoch": last.get("switch_epoch"),
+        "rows": rows,
+    }
+
+
+def compare_runs(run_dirs: list[str], out: str | None = None) -> str:
+    """A Markdown table of the runs; with ``out``, also ``report.md`` and PNG plots there."""
+    runs = [summarize_run(d) for d in run_dirs]
+    lm = runs[0]["quality_key"] == "test_ppl"
+    base = runs[0]
+    head = ["run", "mode", "comm", "epochs", "final test ppl" if lm else "final test acc",
+            "params", "MACs", "s/epoch", "s/epoch after switch", "total s", "MB/step",
+            "time vs first"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in runs:
+        quality = f"{r['final']:.2f}" if lm else f"{100 * r['final']:.2f}%"
+        after = r["epoch_time_lowrank"]
+        lines.append("| " + " | ".join([
+            r["run"], r["mode"], r["comm"], str(r["epochs"]), quality,
+            f"{r['params'] / 1e6:.3f}M", f"{r['macs'] / 1e6:.1f}M", f"{r['epoch_time']:.1f}",
+            f"{after:.1f}" if after is not None else "-", f"{r['total_time']:.0f}",
+            f"{r['bytes_per_step'] / 1e6:.2f}",
+            f"{r['total_time'] / base['total_time']:.2f}x",
+        ]) + " |")
+    table = "\n".join(lines)
+    if out:
+        out_dir = Path(out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        plots = _plot(runs, out_dir)
+        body = table + "\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
+        (out_dir / "report.md").write_text(body)
+        table += f"\n\nwritten: {out_dir / 'report.md'}, " + ", ".join(str(p) for p in plots)
+    return table
+
+
+def _plot(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = runs[0]["quality_key"]
+    label = "test perplexity" if key == "test_ppl" else "test accuracy"
+    fig, (ax_epoch, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        epochs = [row["epoch"] for row in r["rows"]]
+        values = [row[key] for row in r["rows"]]
+        clock, t = [], 0.0
+        for row in r["rows"]:
+            t += row["epoch_time"]
+            clock.append(t)
+        name = f"{r['run']} ({r['mode']})"
+        ax_epoch.plot(epochs, values, marker="o", label=name)
+        ax_time.plot(clock, values, marker="o", label=name)
+        if r["switch_epoch"] is not None and r["switch_epoch"] > 0:
+            ax_epoch.axvline(r["switch_epoch"] + 0.5, ls=":", color="grey")
+    ax_epoch.set(xlabel="epoch", ylabel=label, title=f"{label} per epoch")
+    ax_time.set(xlabel="wall-clock seconds", ylabel=label, title=f"{label} against time")
+    for ax in (ax_epoch, ax_time):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "accuracy.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    plots = [path]
+    stable = [r for r in runs if any("stable_ranks" in row for row in r["rows"])]
+    if stable:
+        plots.append(_plot_stable_ranks(stable[0], out_dir, plt))
+    return plots
+
+
+def _plot_stable_ranks(run: dict[str, Any], out_dir: Path, plt: Any) -> Path:
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in run["rows"]:
+        for name, value in (row.get("stable_ranks") or {}).items():
+            series.setdefault(name, []).append((row["epoch"], value))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, points in series.items():
+        ax.plot(*zip(*points), label=name, lw=1)
+    ax.set(xlabel="epoch", ylabel="stable rank", title=f"stable rank per layer: {run['run']}")
+    if len(series) <= 12:
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    path = out_dir / "stable_ranks.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

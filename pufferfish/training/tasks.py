@@ -1,0 +1,168 @@
+"""The two kinds of task the loop trains: image classification and language modelling.
+
+A task owns its data, its model and how to compute a loss and evaluate; the loop owns everything
+else. Evaluation is sharded over ranks without dropping examples and its sums are reduced, so the
+reported accuracy or perplexity is exactly that of the whole test set.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import data as datasets
+from .. import models
+from ..config import TrainConfig
+from ..distributed import env as dist_env
+from ..distributed.env import DistEnv
+
+__all__ = ["ImageTask", "LanguageTask", "Task", "build_task"]
+
+
+class Task(Protocol):
+    model: nn.Module
+    train_loader: Any  # iterable of batches with len() and set_epoch()
+
+    def start_epoch(self, epoch: int) -> None: ...
+    def to_device(self, batch: Any, device: torch.device) -> Any: ...
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor: ...
+    def evaluate(self, model: nn.Module, env: DistEnv) -> dict[str, float]: ...
+    def example_input(self, device: torch.device) -> Any: ...
+
+
+def build_task(cfg: TrainConfig, env: DistEnv) -> Task:
+    if cfg.download and not cfg.is_lm:
+        if env.is_main:
+            datasets.download(cfg.data, cfg.data_dir or "data")
+        if env.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+    return LanguageTask(cfg, env) if cfg.is_lm else ImageTask(cfg, env)
+
+
+class ImageTask:
+    def __init__(self, cfg: TrainConfig, env: DistEnv) -> None:
+        if cfg.data in ("kjv",) or cfg.data.endswith(".txt"):
+            raise datasets.DataError(f"data {cfg.data!r} is text: model {cfg.model!r} needs "
+                                     "fashion-mnist or cifar10")
+        ds = datasets.load_dataset(cfg.data, cfg.data_dir or None)
+        assert isinstance(ds, datasets.ImageDataset)
+        self.ds, self.cfg = ds, cfg
+        self.train_loader = ds.loader("train", cfg.batch_size, seed=cfg.seed, rank=env.rank,
+                                      world_size=env.world_size, subset=cfg.train_subset or None,
+                                      drop_last=True, device=env.device)
+        n_test = min(cfg.test_subset or len(ds.test_labels), len(ds.test_labels))
+        # Every rank takes test examples rank, rank + world, ...: no example dropped or repeated.
+        self.test_images = ds.test_images[:n_test][env.rank::env.world_size]
+        self.test_labels = ds.test_labels[:n_test][env.rank::env.world_size]
+        self.model = models.build_model(cfg.model, num_classes=ds.num_classes,
+                                        in_channels=ds.in_channels, width=cfg.width,
+                                        image_size=ds.image_size[0])
+
+    def start_epoch(self, epoch: int) -> None:
+        pass
+
+    def to_device(self, batch: Any, device: torch.device) -> Any:
+        return tuple(t.to(device, non_blocking=True) for t in batch)
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, env: DistEnv) -> dict[str, float]:
+        model.eval()
+        device = next(model.parameters()).device
+        mean = torch.tensor(self.ds.mean, device=device).view(1, -1, 1, 1)
+        std = torch.tensor(self.ds.std, device=device).view(1, -1, 1, 1)
+        correct = loss = 0.0
+        for i in range(0, len(self.test_labels), self.cfg.eval_batch_size):
+            x = self.test_images[i:i + self.cfg.eval_batch_size].to(device).float() / 255
+            y = self.test_labels[i:i + self.cfg.eval_batch_size].to(device)
+            logits = model((x - mean) / std)
+            loss += F.cross_entropy(logits, y, reduction="sum").item()
+            correct += (logits.argmax(1) == y).sum().item()
+        model.train()
+        correct, loss, n = dist_env.all_reduce_sum([correct, loss, len(self.test_labels)], env)
+        return {"test_acc": correct / max(1, n), "test_loss": loss / max(1, n)}
+
+    def example_input(self, device: torch.device) -> torch.Tensor:
+        h, w = self.ds.image_size
+        return torch.zeros(1, self.ds.in_channels, h, w, device=device)
+
+
+class LanguageTask:
+    """Word-level LM: the stream is cut into ``batch_size`` columns per rank and BPTT chunks.
+
+    The LSTM's hidden state is carried from chunk to chunk (detached) within an epoch and reset at
+    each epoch start and at a mid-epoch resume point.
+    """
+
+    eval_columns = 10  # the classic word-language-model evaluation batch
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv) -> None:
+        corpus = datasets.load_dataset(cfg.data, cfg.data_dir or None)
+        if not isinstance(corpus, datasets.Corpus):
+            raise datasets.DataError(f"data {cfg.data!r} is an image dataset: model "
+                                     f"{cfg.model!r} needs kjv or a text file")
+        self.cfg, self.corpus, self.env = cfg, corpus, env
+        train = corpus.train[:cfg.train_subset] if cfg.train_subset else corpus.train
+        test = corpus.test[:cfg.test_subset] if cfg.test_subset else corpus.test
+        self.train_loader = datasets.BPTTLoader(train, cfg.batch_size, cfg.bptt, rank=env.rank,
+                                                world_size=env.world_size, device=env.device)
+        self.test_loader = datasets.BPTTLoader(test, self.eval_columns, cfg.bptt, rank=env.rank,
+                                               world_size=env.world_size, device=env.device)
+        self.batch_first = cfg.model == "transformer"
+        if cfg.model == "lstm":
+            dim = max(8, round(1500 * cfg.width))
+            self.model = models.build_model("lstm", vocab_size=corpus.ntokens, embed_dim=dim,
+                                            hidden_size=dim, dropout=cfg.dropout)
+        else:
+            heads = 4
+            d_model = max(heads * 8, round(256 * cfg.width) // heads * heads)
+            self.model = models.build_model("transformer", vocab_size=corpus.ntokens,
+                                            d_model=d_model, nhead=heads,
+                                            dim_feedforward=4 * d_model, dropout=min(cfg.dropout, 0.2),
+                                            max_len=max(512, cfg.bptt))
+        self.hidden: Any = None
+
+    def start_epoch(self, epoch: int) -> None:
+        self.hidden = None
+
+    def to_device(self, batch: Any, device: torch.device) -> Any:
+        return tuple(t.to(device, non_blocking=True) for t in batch)
+
+    def _forward(self, model: nn.Module, tokens: torch.Tensor, hidden: Any) -> tuple[torch.Tensor, Any]:
+        if self.batch_first:
+            logits, hidden = model(tokens.t().contiguous())
+            return logits.transpose(0, 1), hidden
+        return model(tokens, hidden)
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        data, target = batch
+        logits, hidden = self._forward(model, data, self.hidden)
+        self.hidden = None if hidden is None else tuple(h.detach() for h in hidden)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, env: DistEnv) -> dict[str, float]:
+        model.eval()
+        total, tokens, hidden = 0.0, 0, None
+        for data, target in self.test_loader:
+            logits, hidden = self._forward(model, data, hidden)
+            total += F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
+                                     reduction="sum").item()
+            tokens += target.numel()
+        model.train()
+        total, tokens = dist_env.all_reduce_sum([total, tokens], env)
+        loss = total / max(1, tokens)
+        return {"test_loss": loss, "test_ppl": math.exp(min(loss, 50.0))}
+
+    def example_input(self, device: torch.device) -> torch.Tensor:
+        shape = (1, self.cfg.bptt) if self.batch_first else (self.cfg.bptt, 1)
+        return torch.zeros(shape, dtype=torch.long, device=device)
