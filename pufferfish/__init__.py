@@ -13,6 +13,8 @@ from .lowrank import (
     register_low_rank,
 )
 
+from .recipe import Recipe
+
 __version__ = "0.1.0"
 __all__ = [
     "FactorizationReport",
@@ -20,6 +22,7 @@ __all__ = [
     "LowRankLSTM",
     "LowRankLinear",
     "LowRankModule",
+    "Recipe",
     "LowRankMultiheadAttention",
     "count_macs",
     "factorize",

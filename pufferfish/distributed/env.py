@@ -78,7 +78,7 @@ def wrap_ddp(model: nn.Module, env: DistEnv) -> nn.Module:
     if not env.distributed:
         return model
     device_ids = [env.device.index] if env.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=True)
+    return DistributedDataParallel(model, device_ids=device_ids)
 
 
 def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,8 +215,10 @@ def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, ru
     state.wrapped.train()
     task.start_epoch(state.epoch)
     amp = _autocast(cfg, env)
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    n_steps, compute, data_wait = 0, 0.0, 0.0
+    # A mid-epoch resume continues the epoch's running loss where the checkpoint left it.
+    partial = state.extra.pop("partial", None) or {"loss_sum": 0.0, "n_steps": 0}
+    loss_sum = torch.tensor(partial["loss_sum"], dtype=torch.float64)
+    n_steps, compute, data_wait = partial["n_steps"], 0.0, 0.0
     if state.hook_state is not None:
         state.hook_state.stats.reset()
     from tqdm import tqdm
@@ -228,6 +232,7 @@ def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, ru
             continue
         t1 = time.perf_counter()
         data_wait += t1 - t0
+        _inject_fault(state.global_step, env)
         torch.manual_seed(_step_seed(cfg.seed, state.epoch, i, env.rank))
         lr = lr_at(cfg, state.global_step, steps)
         for group in state.optimizer.param_groups:
@@ -267,7 +272,9 @@ def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, ru
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.3g}")
         if cfg.checkpoint_every_steps and state.global_step % cfg.checkpoint_every_steps == 0 \
                 and state.step_in_epoch < steps:
+            state.extra["partial"] = {"loss_sum": loss_sum.item(), "n_steps": n_steps}
             _checkpoint(cfg, state, env, run_dir, recipe)
+            state.extra.pop("partial")
     bar.close()
     epoch_time = time.perf_counter() - start
     total_loss, total_steps = dist_env.all_reduce_sum([loss_sum.item(), n_steps], env)
@@ -284,6 +291,23 @@ def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, ru
     row["compress_time"] = stats.get("compress_time", 0.0)
     row["comm_time"] = stats.get("comm_time", 0.0)
     return row
+
+
+def _inject_fault(global_step: int, env: DistEnv) -> None:
+    """Fault injection for tests: SIGKILL this rank once, before global step N.
+
+    ``PUFFERFISH_KILL_AT_STEP=N`` (and optionally ``PUFFERFISH_KILL_RANK``, default 0) arm it;
+    ``PUFFERFISH_KILL_MARKER`` names a file created just before the kill, so that a restarted
+    worker is not killed again at the same step.
+    """
+    at = os.environ.get("PUFFERFISH_KILL_AT_STEP")
+    if at is None or int(at) != global_step or env.rank != int(os.environ.get("PUFFERFISH_KILL_RANK", 0)):
+        return
+    marker = Path(os.environ.get("PUFFERFISH_KILL_MARKER", "pufferfish-killed.marker"))
+    if marker.exists():
+        return
+    marker.write_text(str(global_step))
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _autocast(cfg: TrainConfig, env: DistEnv) -> contextlib.AbstractContextManager:
@@ -337,6 +361,7 @@ def _checkpoint(cfg: TrainConfig, state: RunState, env: DistEnv, run_dir: Path,
                      "switched_at": recipe.switched_at if recipe else None},
             "config": cfg.to_dict(),
             "hook_states": hook_states or [],
+            "extra": {k: v for k, v in state.extra.items() if k == "partial"},
         }
         state.last_checkpoint = ckpt.save_checkpoint(run_dir, payload, state.global_step,
                                                      keep_last=cfg.keep_checkpoints)

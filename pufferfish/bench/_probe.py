@@ -1,0 +1,63 @@
+"""Worker side of :func:`pufferfish.bench.netns.run_probe`.
+
+Run as a plain script (``python _probe.py``) rather than ``-m`` so the worker only
+imports torch, not the whole pufferfish package: startup time counts against the
+test budget, and the probe must work even while other modules are mid-edit.
+
+Each rank fills a float32 tensor with ``rank + 1``, all-reduces it (sum) and checks
+every element equals ``n(n+1)/2``; it prints one JSON line with the elapsed time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nbytes", type=int, default=25_000_000)
+    ap.add_argument("--iters", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # the machine is shared; summing is not the bottleneck
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    numel = max(1, args.nbytes // 4)
+    # Warm-up: establishes all gloo pair connections so the timed part is pure transfer.
+    dist.all_reduce(torch.ones(1024))
+    dist.barrier()
+
+    correct = True
+    expected = world * (world + 1) / 2
+    elapsed = 0.0
+    for _ in range(args.iters):
+        x = torch.full((numel,), float(rank + 1), dtype=torch.float32)
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        elapsed += time.perf_counter() - t0
+        correct = correct and bool(torch.all(x == expected).item())
+    dist.barrier()
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "world": world,
+                "nbytes": numel * 4,
+                "seconds": elapsed,
+                "correct": correct,
+            }
+        ),
+        flush=True,
+    )
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,213 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from pufferfish.auto import (
+    StableRankTracker,
+    SwitchDetector,
+    choose_ranks,
+    frobenius_decay,
+    frobenius_decay_params,
+    layer_matrix,
+    layer_stable_rank,
+    profile_keep,
+    saving_cap,
+    stable_rank,
+)
+from pufferfish.lowrank import LowRankConv2d, LowRankLinear, factorize
+from pufferfish.lowrank.factorize import factorizable_modules
+
+# ---------------------------------------------------------------- stable rank
+
+
+def test_stable_rank_identity_rank_one_orthogonal() -> None:
+    assert stable_rank(torch.eye(7)) == pytest.approx(7, rel=1e-6)
+    u, v = torch.randn(9, 1), torch.randn(1, 5)
+    assert stable_rank(u @ v) == pytest.approx(1, rel=1e-5)
+    q, _ = torch.linalg.qr(torch.randn(12, 12, dtype=torch.float64))
+    assert stable_rank(q) == pytest.approx(12, rel=1e-9)
+    assert stable_rank(torch.zeros(3, 4)) == 0.0
+    with pytest.raises(ValueError, match="2-D"):
+        stable_rank(torch.ones(2, 2, 2))
+
+
+def test_layer_matrix_shapes_and_averages() -> None:
+    conv = nn.Conv2d(3, 8, 3)
+    assert layer_matrix(conv).shape == (8, 27)
+    lstm = nn.LSTM(4, 6, num_layers=2)
+    mats = layer_matrix(lstm)
+    assert [tuple(m.shape) for m in mats] == [(24, 4), (24, 6), (24, 6), (24, 6)]
+    expected = sum(stable_rank(m) for m in mats) / 4
+    assert layer_stable_rank(lstm) == pytest.approx(expected)
+    mha = nn.MultiheadAttention(8, 2)
+    assert [tuple(m.shape) for m in layer_matrix(mha)] == [(8, 8)] * 4
+    low = LowRankLinear.from_dense(nn.Linear(6, 5), 2)
+    assert layer_matrix(low).shape == (5, 6)
+
+
+def test_factorizable_modules_skips_unsupported() -> None:
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Conv2d(4, 8, 3), nn.Flatten(),
+                          nn.Linear(8, 2))
+    assert list(factorizable_modules(model)) == ["1", "3"]
+
+
+def test_tracker_records_initial_and_history() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    tracker = StableRankTracker(model, keep=["2"])
+    assert list(tracker.initial) == ["0"] and tracker.full_ranks == {"0": 8}
+    assert tracker.history == {"0": []}
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(8))
+    assert tracker.observe(1) == {"0": pytest.approx(8)}
+    assert tracker.history["0"] == [(1, pytest.approx(8))]
+    with pytest.raises(ValueError, match="matches no module"):
+        StableRankTracker(model, keep=["nope"])
+
+
+# ---------------------------------------------------------------- switch detector
+
+
+def _feed(detector: SwitchDetector, series: dict[str, list[float]]) -> list[int]:
+    steps = len(next(iter(series.values())))
+    return [t for t in range(steps)
+            if detector.update(t, {name: values[t] for name, values in series.items()})]
+
+
+def test_switch_fires_on_plateau_not_on_rise() -> None:
+    plateau = [10 + 20 * math.exp(-t) for t in range(12)]
+    rising = [10 * 1.1 ** t for t in range(12)]
+    fired = _feed(SwitchDetector(window=3, threshold=0.05), {"a": plateau})
+    assert len(fired) == 1  # exactly one True
+    t = fired[0]
+    changes = [abs(plateau[i] - plateau[i - 1]) / plateau[i - 1] for i in range(t - 2, t + 1)]
+    assert sum(changes) / 3 < 0.05
+    before = [abs(plateau[i] - plateau[i - 1]) / plateau[i - 1] for i in range(t - 3, t)]
+    assert sum(before) / 3 >= 0.05  # and not one epoch earlier
+    assert _feed(SwitchDetector(), {"a": rising}) == []
+    # every layer must have settled
+    assert _feed(SwitchDetector(), {"a": plateau, "b": rising}) == []
+
+
+def test_switch_respects_min_and_max() -> None:
+    flat = [5.0] * 10
+    assert _feed(SwitchDetector(window=3), {"a": flat}) == [3]  # needs window + 1 values
+    assert _feed(SwitchDetector(window=3, min_epochs=6), {"a": flat}) == [6]
+    rising = [10 * 1.5 ** t for t in range(10)]
+    detector = SwitchDetector(max_epochs=4)
+    assert _feed(detector, {"a": rising}) == [4]
+    assert detector.switched_at == 4
+    with pytest.raises(ValueError, match="increase"):
+        detector.update(4, {"a": 1.0})
+
+
+# ---------------------------------------------------------------- choose_ranks
+
+
+def _set_diag(layer: nn.Linear, values: list[float]) -> None:
+    with torch.no_grad():
+        w = torch.zeros_like(layer.weight)
+        w[range(len(values)), range(len(values))] = torch.tensor(values)
+        layer.weight.copy_(w)
+
+
+def test_cuttlefish_rule_and_saving_cap() -> None:
+    model = nn.Sequential(nn.Linear(64, 64))
+    assert saving_cap(model[0]) == 31  # r·128 + 64 < 64·64 + 64
+    _set_diag(model[0], [1.0] * 32)  # stable rank at init 32 -> scale 64/32 = 2
+    tracker = StableRankTracker(model)
+    assert tracker.initial["0"] == pytest.approx(32)
+    _set_diag(model[0], [1.0] * 10)  # stable rank now 10 -> rank 20
+    assert choose_ranks(tracker) == {"0": 20}
+    _set_diag(model[0], [1.0] * 30)  # 60 would not save parameters -> capped at 31
+    ranks = choose_ranks(tracker)
+    assert ranks == {"0": 31}
+    report = factorize(model, overrides=ranks)
+    assert report.ranks == {"0": 31}
+
+
+def test_choose_ranks_from_model_needs_initial() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    _set_diag(model[0], [1.0] * 8)
+    with pytest.raises(ValueError, match="initialization"):
+        choose_ranks(model)
+    ranks = choose_ranks(model, initial={"0": 64.0}, keep=["1"])
+    assert ranks == {"0": 8}
+
+
+def test_energy_rule_on_known_spectrum() -> None:
+    model = nn.Sequential(nn.Linear(64, 64, bias=False))
+    _set_diag(model[0], [4.0, 3.0, 2.0, 1.0])  # σ² = 16, 9, 4, 1 of 30
+    for energy, rank in [(0.5, 1), (0.8, 2), (0.9, 3), (0.96, 3), (0.97, 4), (1.0, 4)]:
+        assert choose_ranks(model, rule="energy", energy=energy) == {"0": rank}
+
+
+# ---------------------------------------------------------------- profile_keep
+
+
+def test_profile_keep_keeps_tiny_layer() -> None:
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 4), nn.Linear(4, 4))
+    keep, info = profile_keep(model, torch.randn(8, 512), {"0": 64, "2": 4, "3": 1}, repeats=3)
+    assert "3" in keep and "0" not in keep
+    assert info["3"]["decision"] == "keep" and "kept" in info["3"]["reason"]
+    assert info["3"]["input_shape"] == [[8, 4]]
+    assert info["3"]["speedup"] is not None and info["3"]["param_saving_share"] < 0.01
+    assert info["0"]["decision"] == "factorize" and info["0"]["param_saving_share"] > 0.5
+    assert info["0"]["dense_ms"] > 0 and info["0"]["lowrank_ms"] > 0
+    assert info["2"]["decision"] == "keep" and "no parameter saving" in info["2"]["reason"]
+    assert isinstance(model[0], nn.Linear)  # the model is untouched
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_profile_keep_captures_conv_input_shape() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(16, 32, 3, padding=1))
+    _, info = profile_keep(model, torch.randn(2, 3, 8, 8), {"*": 0.25}, repeats=1, warmup=0)
+    assert info["3"]["input_shape"] == [[2, 16, 4, 4]]
+    assert info["3"]["rank"] == 8
+
+
+# ---------------------------------------------------------------- frobenius decay
+
+
+def test_frobenius_decay_value_and_gradient() -> None:
+    model = nn.Sequential(LowRankLinear(7, 5, 3), nn.ReLU(), LowRankConv2d(2, 4, (3, 3), 2))
+    pairs = [(model[0].u.weight, model[0].v.weight),
+             (model[2].u.weight.flatten(1), model[2].v.weight.flatten(1))]
+    params = [model[0].u.weight, model[0].v.weight, model[2].u.weight, model[2].v.weight]
+
+    got = frobenius_decay(model, coeff=2.0)  # coeff/2 = 1: plain Σ‖UV‖²
+    direct = sum(((u @ v) ** 2).sum() for u, v in pairs)
+    assert got.item() == pytest.approx(direct.item(), rel=1e-5)
+    grads = torch.autograd.grad(got, params)
+    expected = torch.autograd.grad(direct, params)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e)
+    u, v = pairs[0]
+    torch.testing.assert_close(grads[0], 2 * (u @ v) @ v.T)
+    torch.testing.assert_close(grads[1], 2 * u.T @ (u @ v))
+    assert frobenius_decay(model, coeff=0.1).item() == pytest.approx(0.05 * direct.item(), rel=1e-5)
+    assert frobenius_decay(nn.Linear(3, 3), coeff=1.0).item() == 0.0
+
+
+def test_frobenius_decay_params_are_the_factors() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), LowRankLinear(7, 5, 3),
+                          LowRankConv2d(2, 4, (3, 3), 2, extra_bn=True))
+    got = {id(p) for p in frobenius_decay_params(model)}
+    want = {id(model[1].u.weight), id(model[1].v.weight), id(model[2].u.weight),
+            id(model[2].v.weight)}
+    assert got == want
+
+
+def test_frobenius_decay_on_factorized_lstm_and_attention() -> None:
+    model = nn.ModuleDict({"rnn": nn.LSTM(4, 6), "attn": nn.MultiheadAttention(8, 2),
+                           "fc": nn.Linear(8, 8)})
+    factorize(model, rank=2)
+    pairs = [pair for m in model.values() for pair in m.factor_pairs()]
+    assert len(pairs) == 2 + 4 + 1
+    direct = sum(((u @ v) ** 2).sum() for u, v in pairs)
+    assert frobenius_decay(model, 1.0).item() == pytest.approx(direct.item() / 2, rel=1e-5)
+    factors = {id(p) for p in frobenius_decay_params(model)}
+    names = {n for n, p in model.named_parameters() if id(p) in factors}
+    assert len(factors) == 14 and not any("bias" in n for n in names)

@@ -1,0 +1,207 @@
+"""Tests for the emulated-link helpers in ``pufferfish.bench.netns``.
+
+The namespace tests need root + iproute2; elsewhere they are skipped with the reason
+``netns_available()`` gives, never faked.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pufferfish.bench.netns import (
+    EmulatedLink,
+    WorkerTimeout,
+    cleanup_stale,
+    format_bps,
+    netns_available,
+    parse_bandwidth,
+    run_probe,
+    run_workers,
+)
+
+MBIT = 10**6
+
+
+def _our_namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    prefix = f"pf-{os.getpid()}-"
+    return [ln.split()[0] for ln in out.splitlines() if ln.startswith(prefix)]
+
+
+needs_netns = pytest.mark.skipif(
+    netns_available() is not None, reason=f"link emulation unavailable: {netns_available()}"
+)
+
+
+# ---------------------------------------------------------------------------
+# parse_bandwidth / format_bps (no privileges needed)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("loopback", None),
+        ("LOOPBACK", None),
+        ("10gbit", 10 * 10**9),
+        ("1gbit", 10**9),
+        ("100mbit", 100 * MBIT),
+        (" 100Mbit ", 100 * MBIT),
+        ("500kbit", 500_000),
+        ("2.5gbit", 2_500_000_000),
+        ("64000bit", 64_000),
+    ],
+)
+def test_parse_bandwidth(text: str, expected: int | None) -> None:
+    assert parse_bandwidth(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text", ["", "fast", "100", "100mb", "100mbps", "-1gbit", "1 gigabit", "1bit"]
+)
+def test_parse_bandwidth_rejects(text: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_bandwidth(text)
+    msg = str(info.value)
+    assert repr(text) in msg
+    assert "100mbit" in msg  # names the allowed form
+
+
+def test_format_bps() -> None:
+    assert format_bps(94.1e6) == "94.1 Mbit/s"
+    assert format_bps(1.5e9) == "1.5 Gbit/s"
+
+
+# ---------------------------------------------------------------------------
+# run_workers on loopback (no privileges needed)
+# ---------------------------------------------------------------------------
+
+_ENV_DUMP = (
+    "import os; print(' '.join(os.environ[k] for k in "
+    "('MASTER_ADDR','RANK','WORLD_SIZE','LOCAL_RANK','GLOO_SOCKET_IFNAME')))"
+)
+
+
+def test_run_workers_loopback_env() -> None:
+    res = run_workers(
+        None, lambda r: [sys.executable, "-c", _ENV_DUMP], master_port=12345, timeout=30
+    )
+    assert [p.returncode for p in res] == [0, 0]
+    assert [p.stdout.split() for p in res] == [
+        ["127.0.0.1", "0", "2", "0", "lo"],
+        ["127.0.0.1", "1", "2", "0", "lo"],
+    ]
+
+
+def test_run_workers_timeout_kills_all() -> None:
+    with pytest.raises(WorkerTimeout) as info:
+        run_workers(
+            None, lambda r: [sys.executable, "-c", "import time; time.sleep(60)"], timeout=1
+        )
+    assert all(p.returncode != 0 for p in info.value.results)
+
+
+def test_run_workers_fail_fast() -> None:
+    def argv(rank: int) -> list[str]:
+        code = "import sys; sys.exit(3)" if rank == 0 else "import time; time.sleep(60)"
+        return [sys.executable, "-c", code]
+
+    res = run_workers(None, argv, timeout=30, fail_fast_grace=0.2)
+    assert res[0].returncode == 3
+    assert res[1].returncode != 0  # killed, not left hanging
+
+
+# ---------------------------------------------------------------------------
+# the emulated link itself (root + iproute2)
+# ---------------------------------------------------------------------------
+
+
+@needs_netns
+def test_emulated_link_shapes_all_reduce() -> None:
+    rate = parse_bandwidth("100mbit")
+    assert rate is not None
+    nbytes = 10_000_000  # ~0.8 s at 100 Mbit/s
+    with EmulatedLink(rate) as link:
+        assert sorted(link.namespaces) == sorted(_our_namespaces())
+        for i, (ns, ifname) in enumerate(zip(link.namespaces, link.interfaces)):
+            qdisc = subprocess.run(
+                ["tc", "-n", ns, "qdisc", "show", "dev", ifname],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            assert "tbf" in qdisc  # both directions are shaped
+            assert link.env(i)["GLOO_SOCKET_IFNAME"] == ifname
+            assert link.command(i, ["true"]) == ["ip", "netns", "exec", ns, "true"]
+        shaped = run_probe(link, nbytes=nbytes)
+    assert _our_namespaces() == []
+    loop = run_probe(None, nbytes=nbytes)
+
+    assert shaped.correct and loop.correct
+    assert 0.3 * rate < shaped.bus_bps < 1.5 * rate, format_bps(shaped.bus_bps)
+    assert loop.bus_bps > 3 * shaped.bus_bps, (format_bps(loop.bus_bps), format_bps(shaped.bus_bps))
+
+
+@needs_netns
+def test_failing_worker_still_cleans_up() -> None:
+    def argv(rank: int) -> list[str]:
+        code = "import sys; sys.exit(3)" if rank == 0 else "import time; time.sleep(60)"
+        return [sys.executable, "-c", code]
+
+    link = EmulatedLink(parse_bandwidth("100mbit") or 0)
+    with pytest.raises(RuntimeError, match="worker failed"), link:
+        res = run_workers(link, argv, timeout=30, fail_fast_grace=0.2)
+        assert res[0].returncode == 3 and res[1].returncode != 0
+        raise RuntimeError("worker failed")
+    assert link.closed
+    assert _our_namespaces() == []
+    link.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        run_workers(link, argv)
+
+
+@needs_netns
+def test_cleanup_stale_removes_orphans_only() -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = f"pf-{dead.pid}-abcdef-0"
+    subprocess.run(["ip", "netns", "add", orphan], check=True)
+    try:
+        with EmulatedLink(10 * MBIT) as link:
+            removed = cleanup_stale()
+            assert orphan in removed
+            assert not set(link.namespaces) & set(removed)  # our live link is untouched
+            assert sorted(_our_namespaces()) == sorted(link.namespaces)
+    finally:
+        subprocess.run(["ip", "netns", "del", orphan], capture_output=True)
+    assert _our_namespaces() == []
+
+
+def test_only_two_endpoints() -> None:
+    with pytest.raises(ValueError, match="2 endpoints"):
+        EmulatedLink(10 * MBIT, n_endpoints=3)
+
+
+@needs_netns
+def test_delay_needs_netem_and_never_leaks() -> None:
+    from pufferfish.bench.netns import netem_available
+
+    reason = netem_available()
+    link = EmulatedLink(100 * MBIT, delay_ms=5)
+    if reason is not None:  # e.g. minimal VM kernels: a clear error, nothing left behind
+        with pytest.raises(RuntimeError, match="netem"), link:
+            pass
+    else:
+        with link:
+            qdisc = subprocess.run(
+                ["tc", "-n", link.namespaces[0], "qdisc", "show", "dev", link.interfaces[0]],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            assert "netem" in qdisc and "tbf" in qdisc
+    assert _our_namespaces() == []

@@ -1,0 +1,202 @@
+"""The training recipe end to end: real processes, real gloo groups, real Fashion-MNIST files."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import pufferfish as pf
+from pufferfish.config import load_config
+from pufferfish.training.checkpoint import latest_checkpoint
+
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+needs_fashion = pytest.mark.skipif(not FASHION.exists(), reason="dataset-fashion-mnist missing")
+
+TINY = ["--model", "resnet18", "--width", "0.125", "--train-subset", "256", "--test-subset", "64",
+        "--batch-size", "32", "--lr", "0.05", "--threads", "1", "--no-progress"]
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, torchrun: int = 0,
+            timeout: float = 240) -> subprocess.CompletedProcess:
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
+               "--master-port", str(free_port()), "-m", "pufferfish", *args]
+    else:
+        cmd = [sys.executable, "-m", "pufferfish", *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@needs_fashion
+def test_two_process_run_through_the_switch(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run_cli("train", *TINY, "--epochs", "2", "--warmup-epochs", "1", "--out", str(out),
+                     torchrun=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["lowrank"] for r in rows] == [False, True]
+    assert rows[1]["params"] < rows[0]["params"] / 2.5
+    # DDP ships one fp32 gradient per parameter: bytes/step fall with the parameter count.
+    assert rows[0]["comm_bytes_per_step"] == pytest.approx(4 * rows[0]["params"], rel=0.01)
+    assert rows[1]["comm_bytes_per_step"] == pytest.approx(4 * rows[1]["params"], rel=0.01)
+    for key in ("epoch", "train_loss", "test_acc", "params", "macs", "epoch_time",
+                "comm_bytes_per_step"):
+        assert key in rows[0]
+    assert 0 <= rows[1]["test_acc"] <= 1
+    assert (out / "factorization.txt").exists() and (out / "metrics.csv").exists()
+    assert "switching to the low-rank model at epoch 1" in result.stdout
+    assert result.stdout.count("epoch 1/2 |") == 1  # only rank 0 prints
+
+
+def _switch_worker(rank: int, world: int, port: int, queue: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(rank)  # different initial weights: DDP must make them agree
+    model = nn.Sequential(nn.Conv2d(3, 32, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 36, 64),
+                          nn.ReLU(), nn.Linear(64, 10))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    recipe = pf.Recipe(warmup_epochs=1, rank_ratio=0.25)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
+    gathered = []
+    for epoch in range(3):
+        ddp, opt, _ = recipe.on_epoch_start(epoch, ddp, opt)
+        x_r = x + rank  # different data per rank
+        loss = nn.functional.cross_entropy(ddp(x_r), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        flat = torch.cat([p.detach().flatten() for p in ddp.module.parameters()])
+        both = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(both, flat)
+        gathered.append((both[0] - both[1]).abs().max().item())
+    kinds = [type(m).__name__ for m in ddp.module]
+    if rank == 0:
+        queue.put((gathered, kinds, opt.state_dict()["state"] != {}))
+    dist.destroy_process_group()
+
+
+def test_replicas_identical_after_the_switch() -> None:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_switch_worker, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    gathered, kinds, has_state = queue.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+    assert kinds == ["LowRankConv2d", "ReLU", "Flatten", "LowRankLinear", "ReLU", "LowRankLinear"]
+    assert gathered == [0.0, 0.0, 0.0], gathered  # bitwise identical before and after the switch
+    assert has_state  # the rebuilt optimizer is in use
+
+
+def test_rebuilt_optimizer_resets_momentum_and_keeps_lr() -> None:
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    model(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    opt.param_groups[0]["lr"] = 0.01  # as a schedule would have left it
+    recipe = pf.Recipe(warmup_epochs=0, rank_ratio=0.25)
+    model, new, _ = recipe.on_epoch_start(0, model, opt)
+    assert new is not opt and new.state_dict()["state"] == {}
+    assert new.param_groups[0]["lr"] == 0.01 and new.defaults["weight_decay"] == 5e-4
+    assert {id(p) for p in new.param_groups[0]["params"]} == {id(p) for p in model.parameters()}
+
+
+def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    found = latest_checkpoint(run_dir)
+    assert found is not None
+    return found[0]["model"]
+
+
+@needs_fashion
+@pytest.mark.parametrize("kill_step", [5, 13])  # before the switch (epoch 0), after it (epoch 1)
+def test_resume_gives_the_same_final_parameters(tmp_path: Path, kill_step: int) -> None:
+    args = [*TINY, "--epochs", "3", "--warmup-epochs", "1", "--checkpoint-every-steps", "3"]
+    ref = tmp_path / "ref"
+    assert run_cli("train", *args, "--out", str(ref)).returncode == 0
+    run = tmp_path / "run"
+    marker = tmp_path / "killed"
+    killed = run_cli("train", *args, "--out", str(run), env={
+        "PUFFERFISH_KILL_AT_STEP": str(kill_step), "PUFFERFISH_KILL_MARKER": str(marker)})
+    assert killed.returncode == -9 and marker.exists()
+    resumed = run_cli("train", "--resume", str(run), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    a, b = _final_params(ref), _final_params(run)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    ra, rb = metrics(ref), metrics(run)
+    assert [r["epoch"] for r in rb] == [1, 2, 3]
+    for x, y in zip(ra, rb):
+        assert x["test_acc"] == y["test_acc"] and x["train_loss"] == pytest.approx(y["train_loss"])
+
+
+def _write_idx(path: Path, magic: int, dims: list[int], payload: bytes) -> None:
+    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in dims)
+    with gzip.open(path, "wb") as f:
+        f.write(header + payload)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "alexnet"], "model 'alexnet' is invalid: allowed resnet18"),
+    (["--epochs", "2", "--warmup-epochs", "2"], "warmup_epochs 2 is invalid with epochs 2"),
+    (["--rank-ratio", "1.5"], "rank_ratio 1.5 is out of range"),
+    (["--data-dir", "/nonexistent/fmnist"], "/nonexistent/fmnist"),
+    (["--batch-size", "zero"], "batch_size 'zero' is invalid"),
+    (["--mode", "magic"], "mode 'magic' is invalid"),
+])
+def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
+    result = run_cli("train", *TINY, *args, "--out", "/tmp/pufferfish-never-written")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pufferfish: error:") and message in lines[0]
+    assert not Path("/tmp/pufferfish-never-written/metrics.jsonl").exists()
+
+
+def test_corrupt_idx_file_exits_2(tmp_path: Path) -> None:
+    n = 8
+    _write_idx(tmp_path / "train-images-idx3-ubyte.gz", 2051, [n, 28, 28], bytes(n * 784))
+    _write_idx(tmp_path / "train-labels-idx1-ubyte.gz", 2049, [n], bytes(n))
+    _write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", 2051, [n, 28, 28], bytes(n * 100))  # cut
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", 2049, [n], bytes(n))
+    result = run_cli("train", *TINY, "--train-subset", "8", "--data-dir", str(tmp_path),
+                     "--out", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert "t10k-images-idx3-ubyte.gz" in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_config_file_and_unknown_key(tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text('model = "vgg19_bn"\nwidth = 0.25\nepochs = 4\nwarmup_epochs = 1\n')
+    cfg = load_config(good, {"lr": "0.01"})
+    assert (cfg.model, cfg.width, cfg.epochs, cfg.warmup, cfg.lr) == ("vgg19_bn", 0.25, 4, 1, 0.01)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("epocs = 3\n")
+    result = run_cli("train", "--config", str(bad))
+    assert result.returncode == 2
+    assert "unknown configuration key 'epocs' (did you mean 'epochs'?)" in result.stderr
