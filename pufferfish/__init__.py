@@ -12,7 +12,6 @@ from .lowrank import (
     merge,
     register_low_rank,
 )
-
 from .recipe import Recipe
 
 __version__ = "0.1.0"
@@ -22,8 +21,8 @@ __all__ = [
     "LowRankLSTM",
     "LowRankLinear",
     "LowRankModule",
-    "Recipe",
     "LowRankMultiheadAttention",
+    "Recipe",
     "count_macs",
     "factorize",
     "merge",
