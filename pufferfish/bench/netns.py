@@ -427,6 +427,14 @@ class EmulatedLink:
                 _run([*qdisc, "parent", "1:1", "handle", "10:", *tbf])
             else:
                 _run([*qdisc, "root", *tbf])
+        # The kernel reports carrier asynchronously (linkwatch); wait for both ends to be
+        # UP so a worker that connects immediately does not race the link coming up.
+        deadline = time.monotonic() + 5.0
+        for name, ifname in zip(ns, ifs):
+            while " UP " not in _run(f"ip -n {name} -br link show dev {ifname}".split()).stdout:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"veth {ifname} in {name} did not come up")
+                time.sleep(0.02)
 
     def close(self) -> None:
         """Delete everything this link created.  Idempotent and thread-safe."""
