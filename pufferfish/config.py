@@ -42,9 +42,8 @@ class TrainConfig:
     warmup_epochs: str = "2"  # full-rank epochs before the switch, or "auto"
     rank_ratio: str = "0.25"  # rank as a fraction of each layer's full rank, or "auto"
     preset: str = "paper"  # the model's preset of full-rank layers ("none": no preset)
-    keep: list[str] = field(default_factory=list)  # extra glob patterns of layers kept full-rank
+    keep: list[str] = field(default_factory=list)  # extra globs of layers kept full-rank, or auto
     keep_first: int = 0  # also keep the first K factorizable layers full-rank
-    keep_auto: bool = False  # profile each layer and keep those that factorizing does not help
     extra_bn: bool = False  # BatchNorm between the two factors of each conv
     frobenius_decay: float = 0.0  # λ of Frobenius decay on low-rank layers (0: plain weight decay)
     # Optimisation
@@ -135,6 +134,11 @@ class TrainConfig:
     @property
     def ratio(self) -> float | str:
         return "auto" if self.rank_ratio == "auto" else float(self.rank_ratio)
+
+    @property
+    def keep_auto(self) -> bool:
+        """``keep = ["auto"]``: profile each layer, keep those that factorizing does not help."""
+        return self.keep == ["auto"]
 
     @property
     def is_lm(self) -> bool:

@@ -25,6 +25,7 @@ that factorizing does not make cheaper (see :mod:`pufferfish.auto`).
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -90,8 +91,10 @@ class Recipe:
         self.switched_at: int | None = None
         self.report: FactorizationReport | None = None
         self.decisions: dict[str, Any] = {}  # what the automatic choices measured and chose
-        self.tracker = None
-        self.detector = None
+        self.tracker: Any = None
+        self.detector: Any = None
+        self._latest: tuple[int, dict[str, float]] | None = None
+        self._decided: dict[int, bool] = {}
         if warmup_epochs == "auto" or rank_ratio == "auto":
             from .auto import SwitchDetector
 
@@ -102,15 +105,21 @@ class Recipe:
         return self.switched_at is not None
 
     def observe(self, epoch: int, model: nn.Module) -> dict[str, float]:
-        """Record the stable ranks of the full-rank layers (automatic choices only)."""
+        """Stable ranks of the full-rank layers after ``epoch`` epochs (automatic choices only).
+
+        The first call records the stable ranks at initialization (Cuttlefish's reference): make
+        it before training, as :meth:`on_epoch_start` does at epoch 0. Cached per epoch.
+        """
         if self.detector is None or self.switched:
             return {}
+        if self._latest is not None and self._latest[0] == epoch:
+            return self._latest[1]
         from .auto import StableRankTracker
 
-        inner = _unwrap(model)
         if self.tracker is None:
-            self.tracker = StableRankTracker(inner)
-        return self.tracker.observe(epoch)
+            self.tracker = StableRankTracker(_unwrap(model), keep=self._static_keep(model))
+        self._latest = (epoch, self.tracker.observe(epoch))
+        return self._latest[1]
 
     def should_switch(self, epoch: int, model: nn.Module) -> bool:
         """Whether to factorize at the start of ``epoch``; the same answer on every rank."""
@@ -118,19 +127,24 @@ class Recipe:
             return False
         if self.warmup_epochs != "auto":
             return epoch >= self.warmup_epochs
-        if epoch == 0:
-            return False
-        ranks = self.tracker.history_at(epoch) if self.tracker is not None else {}
-        decide = self.detector.update(epoch, ranks)
-        return bool(_agree(decide))
+        if epoch not in self._decided:  # the detector sees each epoch once
+            ranks = self.observe(epoch, model)
+            self._decided[epoch] = bool(_agree(self.detector.update(epoch, ranks)))
+        return self._decided[epoch]
 
     def on_epoch_start(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                        scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
-        if self.switched_at is None and epoch == 0 and self.detector is not None:
-            self.observe(0, model)
         if self.should_switch(epoch, model):
             return self.switch(epoch, model, optimizer, scheduler)
+        if self.detector is not None and epoch == 0:
+            self.observe(0, model)
         return model, optimizer, scheduler
+
+    def _static_keep(self, model: nn.Module) -> list[str]:
+        keep = list(self.keep)
+        if self.preset is not None:
+            keep += (getattr(model, "PRESETS", {}) or {}).get(self.preset, {}).get("keep", [])
+        return keep
 
     def factorize_kwargs(self, model: nn.Module) -> dict[str, Any]:
         """The arguments of :func:`pufferfish.factorize` this recipe uses for ``model``."""
@@ -140,22 +154,57 @@ class Recipe:
         if self.rank_ratio == "auto":
             from .auto import choose_ranks
 
-            ranks = _agree(choose_ranks(self.tracker if self.tracker is not None else model))
+            if self.tracker is None:
+                raise ValueError("rank_ratio='auto' needs the stable ranks at initialization: "
+                                 "call observe(0, model) (or on_epoch_start) before training")
+            ranks = _agree(choose_ranks(self.tracker, keep=self._static_keep(model)))
             self.decisions["ranks"] = ranks
             kwargs["overrides"] = ranks
+            kwargs["rank_ratio"] = 1.0  # unused: every candidate has an override
         else:
             kwargs["rank_ratio"] = float(self.rank_ratio)
         if self.keep_auto:
             from .auto import profile_keep
+            from .lowrank.factorize import factorizable_modules
 
             if self.example_input is None:
                 raise ValueError("keep='auto' needs an example_input to profile the layers")
-            keep, measured = profile_keep(model, self.example_input, kwargs.get("overrides"),
-                                          rank_ratio=kwargs.get("rank_ratio", 0.25))
+            static = self._static_keep(model)
+            ranks = kwargs.get("overrides") or {
+                name: kwargs["rank_ratio"] for name in factorizable_modules(model)}
+            ranks = {n: r for n, r in ranks.items()
+                     if not any(fnmatch.fnmatchcase(n, p) for p in static)}
+            keep, measured = profile_keep(model, self.example_input, ranks,
+                                          extra_bn=self.extra_bn)
             keep = _agree(keep)  # timings differ across ranks: rank 0 decides for all
-            self.decisions["keep_auto"] = {"keep": keep, "measurements": measured}
+            self.decisions["keep_auto"] = {"keep": keep, "measurements": _agree(measured)}
             kwargs["keep"] += keep
         return kwargs
+
+    def state_dict(self) -> dict[str, Any]:
+        """Progress to checkpoint: switch epoch, and the stable-rank record of automatic runs."""
+        state: dict[str, Any] = {"switched_at": self.switched_at}
+        if self.tracker is not None:
+            state["initial"] = dict(self.tracker.initial)
+            state["history"] = {k: [list(p) for p in v] for k, v in self.tracker.history.items()}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], model: nn.Module) -> None:
+        """Restore :meth:`state_dict` (before the switch: ``model`` is still full-rank)."""
+        self.switched_at = state.get("switched_at")
+        if "initial" in state and not self.switched:
+            from .auto import StableRankTracker
+
+            self.tracker = StableRankTracker(_unwrap(model), keep=self._static_keep(model))
+            self.tracker.initial = dict(state["initial"])
+            self.tracker.history = {k: [tuple(p) for p in v] for k, v in state["history"].items()}
+            # Replay the detector over the recorded history so that it decides as it would have.
+            times = sorted({t for points in self.tracker.history.values() for t, _ in points})
+            for t in times:
+                values = {k: v for k, points in self.tracker.history.items()
+                          for tt, v in points if tt == t}
+                self._decided[t] = self.detector.update(t, values)
+                self._latest = (t, values)
 
     def switch(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:

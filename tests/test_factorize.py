@@ -169,3 +169,15 @@ def test_count_macs_is_analytic_for_linear() -> None:
 def test_bad_input_is_a_clear_error(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match.replace("(", r"\(").replace("*", r"\*")):
         pf.factorize(small_cnn(), **kwargs)
+
+
+def test_count_macs_sees_lstm_and_attention() -> None:
+    lstm = nn.LSTM(16, 32, num_layers=2)
+    x = torch.randn(5, 3, 16)  # (seq, batch, features)
+    assert pf.count_macs(lstm, x) == 5 * 3 * 4 * 32 * ((16 + 32) + (32 + 32))
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True).eval()
+    tokens = torch.randn(2, 7, 32)
+    projections = 2 * 7 * (4 * 32 * 32 + 2 * 32 * 64)
+    assert pf.count_macs(layer, tokens) >= projections  # the fused fast path is not skipped
+    report = pf.factorize(layer, rank=4, example_input=tokens)
+    assert report.macs_after < report.macs_before

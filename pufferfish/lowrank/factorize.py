@@ -116,17 +116,38 @@ def count_macs(model: nn.Module, example_input: Any) -> int:
     """Multiply-accumulates of one forward pass (``FlopCounterMode`` FLOPs / 2), in eval mode.
 
     Eval mode so that counting does not update BatchNorm statistics; the training flags of every
-    submodule are restored afterwards.
+    submodule are restored afterwards. Two blind spots of the flop counter are covered: the fused
+    fast path of ``nn.MultiheadAttention``/``TransformerEncoderLayer`` is switched off while
+    counting (so attention is counted as its matmuls, like training runs it), and ``nn.LSTM``'s
+    fused kernel, which the counter does not see, is counted analytically: per time step and layer
+    ``4h·(in + h)`` MACs.
     """
     flags = [(m, m.training) for m in model.modules()]
+    lstm_macs = [0]
+
+    def count_lstm(module: nn.LSTM, args: tuple, output: Any) -> None:
+        x = args[0]
+        steps = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
+        h, width = module.hidden_size, module.input_size
+        for _ in range(module.num_layers):
+            lstm_macs[0] += steps * 4 * h * (width + h)
+            width = h
+
+    handles = [m.register_forward_hook(count_lstm) for m in model.modules()
+               if type(m) is nn.LSTM]
+    fastpath = torch.backends.mha.get_fastpath_enabled()
     model.eval()
     try:
+        torch.backends.mha.set_fastpath_enabled(False)
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             _call(model, example_input)
     finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+        for handle in handles:
+            handle.remove()
         for m, training in flags:
             m.training = training
-    return counter.get_total_flops() // 2
+    return counter.get_total_flops() // 2 + lstm_macs[0]
 
 
 def factorize(

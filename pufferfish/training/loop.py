@@ -1,10 +1,10 @@
 """The one training loop, whatever the task (images or language) and the method.
 
-Full-rank, Pufferfish and low-rank-from-the-start runs differ only in the :class:`~pufferfish.Recipe`
-(no recipe, warm-up ``N``, warm-up 0); the comm hook is a config value. The loop itself knows
-nothing of low rank: at each epoch start it asks the recipe, and when the recipe switches it
-rebuilds what depends on the parameters (optimizer, DDP wrapper, comm hook) through the same
-functions it used at the start.
+Full-rank, Pufferfish, low-rank-from-the-start and the pruning baselines differ only in the
+:class:`~pufferfish.training.method.Method` the loop is given; the comm hook is a config value. The
+loop knows nothing of low rank: at each epoch start it asks the method, and when the method has
+changed the model it rebuilds what depends on the parameters (optimizer, DDP wrapper, comm hook)
+through the same function that built them at the start.
 
 Determinism: every random draw is a function of ``(seed, epoch, step, rank)``: the data order of an
 epoch comes from ``seed + epoch``, and the global RNG (dropout, augmentation) is reseeded at every
@@ -30,10 +30,11 @@ from torch import nn
 from ..config import TrainConfig, dump_toml
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
-from ..lowrank import count_macs, factorize
+from ..lowrank import count_macs
 from ..lowrank.base import LowRankModule
-from ..recipe import Recipe
 from . import checkpoint as ckpt
+from .method import Change, Method
+from .methods import build_method
 from .metrics import MetricsWriter
 from .schedule import lr_at
 from .tasks import Task, build_task
@@ -61,38 +62,37 @@ class RunState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def train(cfg: TrainConfig) -> list[dict[str, Any]]:
-    """Run one training job as configured; returns the metrics rows (one per epoch)."""
+def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]]:
+    """Run one training job as configured; returns the metrics rows (one per epoch).
+
+    ``method`` defaults to the one registered for ``cfg.mode``.
+    """
+    method = method if method is not None else build_method(cfg)
     env = dist_env.setup(cfg.backend, cfg.timeout_s)
     try:
-        return _train(cfg, env)
+        return _train(cfg, env, method)
     finally:
         dist_env.cleanup()
 
 
-def _train(cfg: TrainConfig, env: DistEnv) -> list[dict[str, Any]]:
+def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any]]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     run_dir = cfg.run_dir()
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     task = build_task(cfg, env)
     model = task.model.to(env.device)
-    recipe = _make_recipe(cfg, task, env)
+    method.setup(model, task.example_input(env.device), cfg)
     writer = MetricsWriter(run_dir, enabled=env.is_main)
     resumed = ckpt.latest_checkpoint(run_dir) if cfg.resume else None
 
     if resumed is not None:
         saved, path = resumed
         _check_resumable(saved, cfg)
-        ranks = saved["arch"]["ranks"]
-        if ranks:  # rebuild the exact factorized architecture before loading weights
-            factorize(model, include=list(ranks), overrides=ranks, rank_ratio=1.0,
-                      extra_bn=cfg.extra_bn)
-        if recipe is not None and saved["arch"]["switched_at"] is not None:
-            recipe.switched_at = saved["arch"]["switched_at"]
-        model.load_state_dict(saved["model"])
+        method.restore(saved["method"], model)  # e.g. rebuild the factorized architecture
+        _load_model(model, saved["model"], path)
         writer.truncate(saved["epoch"] if saved["step_in_epoch"] == 0 else saved["epoch"] + 1)
-    state = _prepare(cfg, model, env, recipe)
+    state = _prepare(cfg, model, env)
     if resumed is not None:
         state.optimizer.load_state_dict(saved["optimizer"])
         state.epoch, state.step_in_epoch = saved["epoch"], saved["step_in_epoch"]
@@ -108,44 +108,31 @@ def _train(cfg: TrainConfig, env: DistEnv) -> list[dict[str, Any]]:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(dump_toml(cfg))
     _say(env, "configuration:\n" + _indent(dump_toml(cfg)))
-    _say(env, f"{cfg.model} on {cfg.data}: {env.world_size} process(es), backend "
-              f"{env.backend or 'none'}, device {env.device}, comm {cfg.comm}")
+    _say(env, f"{cfg.model} on {cfg.data}, mode {cfg.mode}: {env.world_size} process(es), "
+              f"backend {env.backend or 'none'}, device {env.device}, comm {cfg.comm}")
 
-    while state.epoch < cfg.epochs:
+    total = method.total_epochs(cfg)
+    while state.epoch < total:
         epoch = state.epoch
-        if recipe is not None and state.step_in_epoch == 0:
-            _maybe_switch(cfg, recipe, state, env, task, run_dir)
-        row = _train_epoch(cfg, task, state, env, run_dir, recipe)
+        if state.step_in_epoch == 0:
+            change = method.on_epoch_start(epoch, state.model)
+            if change is not None:
+                _rebuild(cfg, state, env, change, run_dir)
+        row = _train_epoch(cfg, task, state, env, run_dir, method)
         row.update(task.evaluate(state.model, env))
-        row.update(_model_figures(state, task, recipe, cfg))
-        if recipe is not None and recipe.detector is not None and not recipe.switched:
-            row["stable_ranks"] = recipe.observe(epoch + 1, state.model)
+        row.update(_model_figures(state, task))
+        row.update(method.on_epoch_end(epoch, state.model))
         writer.write(row)
-        _say(env, _summary(row, cfg))
+        _say(env, _summary(row, total))
         state.epoch, state.step_in_epoch = epoch + 1, 0
-        if (epoch + 1) % cfg.checkpoint_every_epochs == 0 or epoch + 1 == cfg.epochs:
-            _checkpoint(cfg, state, env, run_dir, recipe)
+        if (epoch + 1) % cfg.checkpoint_every_epochs == 0 or epoch + 1 == total:
+            _checkpoint(cfg, state, env, run_dir, method)
     if env.is_main:
         _say(env, writer.final_table())
     return writer.rows
 
 
 # -- set-up ------------------------------------------------------------------------------------
-
-def _make_recipe(cfg: TrainConfig, task: Task, env: DistEnv) -> Recipe | None:
-    if cfg.mode not in ("pufferfish", "lowrank"):
-        return None
-    return Recipe(
-        warmup_epochs=0 if cfg.mode == "lowrank" else cfg.warmup,
-        rank_ratio=cfg.ratio,
-        keep="auto" if cfg.keep_auto else cfg.keep,
-        preset=None if cfg.preset == "none" else cfg.preset,
-        keep_first=cfg.keep_first,
-        extra_bn=cfg.extra_bn,
-        example_input=task.example_input(env.device),
-        max_warmup=max(1, cfg.epochs - 1),
-    )
-
 
 def param_groups(cfg: TrainConfig, model: nn.Module) -> list[dict[str, Any]]:
     """One group with plain weight decay; factor weights go without it under Frobenius decay."""
@@ -159,8 +146,7 @@ def param_groups(cfg: TrainConfig, model: nn.Module) -> list[dict[str, Any]]:
             {"params": [p for p in model.parameters() if id(p) in factors], "weight_decay": 0.0}]
 
 
-def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, recipe: Recipe | None,
-             ) -> RunState:
+def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv) -> RunState:
     """Optimizer, DDP wrapper and comm hook for the model as it is now (start and switch)."""
     optimizer = torch.optim.SGD(param_groups(cfg, model), lr=cfg.lr, momentum=cfg.momentum,
                                 nesterov=cfg.nesterov and cfg.momentum > 0,
@@ -188,27 +174,23 @@ def _register_hook(cfg: TrainConfig, wrapped: nn.Module, env: DistEnv) -> Any:
     return register_comm_hook(wrapped, cfg.comm, **options)
 
 
-def _maybe_switch(cfg: TrainConfig, recipe: Recipe, state: RunState, env: DistEnv, task: Task,
-                  run_dir: Path) -> None:
-    if not recipe.should_switch(state.epoch, state.model):
-        return
-    recipe.switch(state.epoch, state.model, None)
-    fresh = _prepare(cfg, state.model, env, recipe)  # new optimizer (momentum reset), DDP, hook
+def _rebuild(cfg: TrainConfig, state: RunState, env: DistEnv, change: Change,
+             run_dir: Path) -> None:
+    """After the method changed the model: new optimizer (fresh state), DDP wrapper, comm hook."""
+    fresh = _prepare(cfg, state.model, env)
     state.optimizer, state.wrapped, state.hook_state = fresh.optimizer, fresh.wrapped, fresh.hook_state
     state.extra.pop("macs", None)
-    report = recipe.report
-    _say(env, f"switching to the low-rank model at epoch {state.epoch}:\n{report}")
+    _say(env, change.text)
     if env.is_main:
-        (run_dir / "factorization.txt").write_text(str(report) + "\n")
-        (run_dir / "factorization.json").write_text(json.dumps(
-            {"epoch": state.epoch, **report.to_dict(), "decisions": recipe.decisions},
-            indent=1, default=str))
+        (run_dir / f"{change.name}.txt").write_text(change.text + "\n")
+        (run_dir / f"{change.name}.json").write_text(json.dumps(change.record, indent=1,
+                                                                default=str))
 
 
 # -- one epoch ---------------------------------------------------------------------------------
 
 def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, run_dir: Path,
-                 recipe: Recipe | None) -> dict[str, Any]:
+                 method: Method) -> dict[str, Any]:
     loader = task.train_loader
     loader.set_epoch(state.epoch)
     steps = len(loader)
@@ -234,7 +216,7 @@ def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, ru
         data_wait += t1 - t0
         _inject_fault(state.global_step, env)
         torch.manual_seed(_step_seed(cfg.seed, state.epoch, i, env.rank))
-        lr = lr_at(cfg, state.global_step, steps)
+        lr = lr_at(cfg, method.schedule_step(state.global_step, steps), steps)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         batch = task.to_device(batch, env.device)
@@ -244,6 +226,9 @@ def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, ru
                 from ..auto import frobenius_decay
 
                 loss = loss + frobenius_decay(state.model, cfg.frobenius_decay)
+            extra = method.extra_loss(state.model)
+            if extra is not None:
+                loss = loss + extra
         state.optimizer.zero_grad(set_to_none=True)
         if state.scaler is not None:
             state.scaler.scale(loss).backward()
@@ -273,7 +258,7 @@ def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, ru
         if cfg.checkpoint_every_steps and state.global_step % cfg.checkpoint_every_steps == 0 \
                 and state.step_in_epoch < steps:
             state.extra["partial"] = {"loss_sum": loss_sum.item(), "n_steps": n_steps}
-            _checkpoint(cfg, state, env, run_dir, recipe)
+            _checkpoint(cfg, state, env, run_dir, method)
             state.extra.pop("partial")
     bar.close()
     epoch_time = time.perf_counter() - start
@@ -281,7 +266,7 @@ def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, ru
     row: dict[str, Any] = {
         "epoch": state.epoch + 1,
         "train_loss": total_loss / max(1, total_steps),
-        "lr": lr_at(cfg, state.global_step - 1, steps),
+        "lr": lr_at(cfg, method.schedule_step(state.global_step - 1, steps), steps),
         "epoch_time": epoch_time,
         "compute_time": compute,
         "data_time": data_wait,
@@ -322,27 +307,21 @@ def _step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + epoch * 100_003 + step * 101 + rank) % (2**63)
 
 
-def _model_figures(state: RunState, task: Task, recipe: Recipe | None, cfg: TrainConfig
-                   ) -> dict[str, Any]:
+def _model_figures(state: RunState, task: Task) -> dict[str, Any]:
     if "macs" not in state.extra:  # per example; recounted only when the architecture changes
         device = next(state.model.parameters()).device
         state.extra["macs"] = count_macs(state.model, task.example_input(device))
-    lowrank = any(isinstance(m, LowRankModule) for m in state.model.modules())
-    params = sum(p.numel() for p in state.model.parameters())
-    return {"params": params, "macs": state.extra["macs"], "lowrank": lowrank,
-            "grad_bytes": 4 * sum(p.numel() for p in state.model.parameters() if p.requires_grad),
-            "switch_epoch": None if recipe is None else recipe.switched_at}
+    trainable = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
+    return {"params": sum(p.numel() for p in state.model.parameters()),
+            "macs": state.extra["macs"],
+            "lowrank": any(isinstance(m, LowRankModule) for m in state.model.modules()),
+            "grad_bytes": 4 * trainable}
 
 
 # -- checkpoints -------------------------------------------------------------------------------
 
-def architecture(model: nn.Module) -> dict[str, int]:
-    """Qualified name -> rank of every low-rank module: enough to rebuild the structure."""
-    return {name: m.rank for name, m in model.named_modules() if isinstance(m, LowRankModule)}
-
-
 def _checkpoint(cfg: TrainConfig, state: RunState, env: DistEnv, run_dir: Path,
-                recipe: Recipe | None) -> None:
+                method: Method) -> None:
     hook_states = None
     if state.hook_state is not None:
         import torch.distributed as dist
@@ -357,8 +336,7 @@ def _checkpoint(cfg: TrainConfig, state: RunState, env: DistEnv, run_dir: Path,
             "epoch": state.epoch,
             "step_in_epoch": state.step_in_epoch,
             "global_step": state.global_step,
-            "arch": {"model": cfg.model, "ranks": architecture(state.model),
-                     "switched_at": recipe.switched_at if recipe else None},
+            "method": method.state_dict(),
             "config": cfg.to_dict(),
             "hook_states": hook_states or [],
             "extra": {k: v for k, v in state.extra.items() if k == "partial"},
@@ -372,9 +350,25 @@ def _checkpoint(cfg: TrainConfig, state: RunState, env: DistEnv, run_dir: Path,
 
 
 def _check_resumable(saved: dict[str, Any], cfg: TrainConfig) -> None:
-    keys = ("model", "width", "data", "mode", "rank_ratio", "preset", "extra_bn", "seed")
+    """The run being resumed must be the run that was saved (flags may change the rest)."""
+    keys = ("model", "width", "data", "mode", "warmup_epochs", "rank_ratio", "preset", "keep",
+            "keep_first", "extra_bn", "seed", "train_subset", "batch_size")
     ckpt.verify_compatible({k: saved["config"].get(k) for k in keys},
                            {k: getattr(cfg, k) for k in keys}, what="configuration")
+
+
+def _load_model(model: nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """Load a checkpoint's weights; a checkpoint of another architecture is a named error."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    shapes = [k for k in own if k in weights and own[k].shape != weights[k].shape]
+    if missing or unexpected or shapes:
+        parts = [f"{what}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+                 for what, keys in (("missing", missing), ("unexpected", unexpected),
+                                    ("different shape", shapes)) if keys]
+        raise ckpt.CheckpointError(f"checkpoint {path} does not fit this model ({'; '.join(parts)})")
+    model.load_state_dict(weights)
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -388,10 +382,10 @@ def _indent(text: str) -> str:
     return "\n".join("  " + line for line in text.strip().splitlines())
 
 
-def _summary(row: dict[str, Any], cfg: TrainConfig) -> str:
+def _summary(row: dict[str, Any], total_epochs: int) -> str:
     quality = (f"test_ppl {row['test_ppl']:.1f}" if "test_ppl" in row
                else f"test_acc {100 * row['test_acc']:.2f}%")
-    return (f"epoch {row['epoch']}/{cfg.epochs} | train_loss {row['train_loss']:.4f} | {quality} | "
+    return (f"epoch {row['epoch']}/{total_epochs} | train_loss {row['train_loss']:.4f} | {quality} | "
             f"params {row['params'] / 1e6:.2f}M | MACs {row['macs'] / 1e6:.1f}M | "
             f"{'low-rank' if row['lowrank'] else 'full-rank'} | {row['epoch_time']:.1f}s "
             f"(compute {row['compute_time']:.1f}s) | {row['comm_bytes_per_step'] / 1e6:.2f} MB/step")

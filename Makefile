@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh Debian-like machine:
+#   make demo   installs everything and runs the main job (a real 2-process training run)
+#   make test   installs everything and runs the linter and the test suite (what CI runs)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup data demo test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+# Real data from Debian: Fashion-MNIST (gzipped IDX files) and the KJV Bible (`bible` program).
+data:
+	@if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || ! command -v bible >/dev/null; then \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q dataset-fashion-mnist bible-kjv; \
+	fi
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup data lint
+	$(PY) -m pytest
+
+demo: setup data
+	bash benchmarks/demo.sh
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,97 @@
+"""The registry of training methods (``--mode``), and the Pufferfish method itself.
+
+``full`` trains the model as it is; ``pufferfish`` warms up full-rank and switches once (the
+:class:`~pufferfish.Recipe`); ``lowrank`` is Pufferfish with no warm-up: the model is factorized
+by SVD of its *initial* weights before the first step (the paper's "spectral initialization"
+ablation). Baselines add their own modes with :func:`register_method` (``lth``, ``prune``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ..config import TrainConfig
+from ..lowrank import factorize
+from ..recipe import Recipe
+from .method import Change, FullRank, Method
+
+__all__ = ["PufferfishMethod", "build_method", "register_method"]
+
+_METHODS: dict[str, Callable[[TrainConfig], Method]] = {}
+
+
+def register_method(mode: str, factory: Callable[[TrainConfig], Method]) -> None:
+    _METHODS[mode] = factory
+
+
+def build_method(cfg: TrainConfig) -> Method:
+    if cfg.mode not in _METHODS:
+        from .. import baselines  # noqa: F401 -- registers the baseline modes
+
+    if cfg.mode not in _METHODS:
+        raise ValueError(f"mode {cfg.mode!r} is invalid: allowed {', '.join(sorted(_METHODS))}")
+    return _METHODS[cfg.mode](cfg)
+
+
+class PufferfishMethod(Method):
+    """Full-rank warm-up, then one switch to the factorized model (see :mod:`pufferfish.recipe`)."""
+
+    name = "pufferfish"
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.recipe: Recipe | None = None
+        self.ranks: dict[str, int] = {}  # of the factorized modules, to rebuild them on resume
+
+    def setup(self, model: nn.Module, example_input: Any, cfg: TrainConfig) -> None:
+        self.recipe = Recipe(
+            warmup_epochs=0 if cfg.mode == "lowrank" else cfg.warmup,
+            rank_ratio=cfg.ratio,
+            keep="auto" if cfg.keep_auto else cfg.keep,
+            preset=None if cfg.preset == "none" else cfg.preset,
+            keep_first=cfg.keep_first,
+            extra_bn=cfg.extra_bn,
+            example_input=example_input,
+            max_warmup=max(1, cfg.epochs - 1),
+        )
+        if self.recipe.detector is not None:
+            self.recipe.observe(0, model)  # the stable ranks at initialization
+
+    def on_epoch_start(self, epoch: int, model: nn.Module) -> Change | None:
+        assert self.recipe is not None
+        if not self.recipe.should_switch(epoch, model):
+            return None
+        self.recipe.switch(epoch, model, None)
+        report = self.recipe.report
+        assert report is not None
+        self.ranks = report.ranks
+        return Change("factorization",
+                      f"switching to the low-rank model at epoch {epoch}:\n{report}",
+                      {"epoch": epoch, **report.to_dict(), "decisions": self.recipe.decisions})
+
+    def on_epoch_end(self, epoch: int, model: nn.Module) -> dict[str, Any]:
+        assert self.recipe is not None
+        row: dict[str, Any] = {"switch_epoch": self.recipe.switched_at}
+        if self.recipe.detector is not None and not self.recipe.switched:
+            row["stable_ranks"] = self.recipe.observe(epoch + 1, model)
+        return row
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.recipe is not None
+        return {"recipe": self.recipe.state_dict(), "ranks": self.ranks}
+
+    def restore(self, state: dict[str, Any], model: nn.Module) -> None:
+        assert self.recipe is not None
+        if state["ranks"]:  # rebuild the exact factorized architecture
+            factorize(model, include=list(state["ranks"]), overrides=state["ranks"],
+                      rank_ratio=1.0, extra_bn=self.cfg.extra_bn)
+        self.recipe.load_state_dict(state["recipe"], model)
+        self.ranks = dict(state["ranks"])
+
+
+register_method("full", FullRank)
+register_method("pufferfish", PufferfishMethod)
+register_method("lowrank", PufferfishMethod)
