@@ -69,6 +69,17 @@ def test_two_process_run_through_the_switch(tmp_path: Path) -> None:
     assert result.stdout.count("epoch 1/2 |") == 1  # only rank 0 prints
 
 
+@needs_fashion
+@pytest.mark.parametrize("mode", ["full", "lowrank"])
+def test_full_and_lowrank_modes(tmp_path: Path, mode: str) -> None:
+    out = tmp_path / mode
+    result = run_cli("train", *TINY, "--epochs", "1", "--mode", mode, "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = metrics(out)
+    assert row["lowrank"] is (mode == "lowrank")  # lowrank: factorized before the first step
+    assert row.get("switch_epoch") == (0 if mode == "lowrank" else None)
+
+
 def _switch_worker(rank: int, world: int, port: int, queue: mp.Queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

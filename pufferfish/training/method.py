@@ -34,6 +34,9 @@ class Method:
 
     name = "full"
 
+    def __init__(self, cfg: TrainConfig | None = None) -> None:
+        self.cfg = cfg
+
     def setup(self, model: nn.Module, example_input: Any, cfg: TrainConfig) -> None:
         """Called once before training starts (not on resume), with the initial model."""
 

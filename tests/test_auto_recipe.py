@@ -1,0 +1,61 @@
+"""The automatic recipe wired through the Recipe API and the CLI (warm-up, ranks, full-rank layers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_training import TINY, metrics, needs_fashion, run_cli
+from torch import nn
+
+import pufferfish as pf
+from pufferfish.lowrank import LowRankLinear
+
+
+def _toy() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def test_recipe_auto_switches_on_a_plateau_and_picks_ranks() -> None:
+    model = _toy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: stable ranks never move
+    recipe = pf.Recipe(warmup_epochs="auto", rank_ratio="auto")
+    switched = None
+    for epoch in range(8):
+        model, opt, _ = recipe.on_epoch_start(epoch, model, opt)
+        if recipe.switched and switched is None:
+            switched = epoch
+    # Flat from the start: the detector needs window + 1 = 4 observations (epochs 0..3).
+    assert switched == 3
+    ranks = recipe.decisions["ranks"]
+    # Nothing moved, so Cuttlefish's rule keeps full rank -> capped where factorizing stops saving.
+    assert ranks["0"] == 31 and isinstance(model[0], LowRankLinear)  # 31*(128) < 64*64
+    assert recipe.report is not None and recipe.report.params_after < recipe.report.params_before
+
+
+def test_recipe_auto_needs_initial_stable_ranks() -> None:
+    recipe = pf.Recipe(warmup_epochs=1, rank_ratio="auto")
+    with pytest.raises(ValueError, match="stable ranks at initialization"):
+        recipe.switch(1, _toy(), None)
+
+
+@needs_fashion
+def test_cli_fully_automatic_run(tmp_path: Path) -> None:
+    out = tmp_path / "auto"
+    result = run_cli("train", *TINY, "--epochs", "3", "--warmup-epochs", "auto", "--rank-ratio",
+                     "auto", "--keep", "auto", "--frobenius-decay", "1e-4", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics(out)
+    assert "stable_ranks" in rows[0] and len(rows[0]["stable_ranks"]) > 0
+    assert rows[-1]["switch_epoch"] == 2  # at the latest: max warm-up = epochs - 1
+    assert "stable_ranks" not in rows[-1]  # tracking stops at the switch
+    record = json.loads((out / "factorization.json").read_text())
+    assert record["decisions"]["ranks"]
+    measured = record["decisions"]["keep_auto"]["measurements"]
+    assert all({"dense_ms", "lowrank_ms", "decision"} <= set(m) for m in measured.values())
+    # The automatic run records when it switched and what it kept, and reports can plot it.
+    report = run_cli("report", str(out), "--out", str(tmp_path / "rep"))
+    assert report.returncode == 0, report.stderr
+    assert (tmp_path / "rep" / "stable_ranks.png").exists()
