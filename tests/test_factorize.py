@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import pufferfish as pf
+import pufferfish.models
 from pufferfish.lowrank import LowRankConv2d, LowRankLinear
 
 
@@ -181,3 +182,46 @@ def test_count_macs_sees_lstm_and_attention() -> None:
     assert pf.count_macs(layer, tokens) >= projections  # the fused fast path is not skipped
     report = pf.factorize(layer, rank=4, example_input=tokens)
     assert report.macs_after < report.macs_before
+
+
+def test_transformer_encoder_is_factorized_and_still_works() -> None:
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    x = torch.randn(2, 5, 32)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    report = pf.factorize(model, rank_ratio=0.25, keep=["layers.0.*"], example_input=x)
+    factorized = {d.name for d in report.factorized}
+    assert factorized == {"layers.1.self_attn", "layers.1.linear1", "layers.1.linear2"}
+    assert isinstance(model.layers[1].self_attn, pf.LowRankMultiheadAttention)
+    for train in (True, False):
+        model.train(train)
+        out = model(x, src_key_padding_mask=mask)
+        assert out.shape == x.shape and torch.isfinite(out[~mask]).all()
+    # At full rank the factorized encoder computes what the dense one did.
+    dense = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True),
+                                  num_layers=2, enable_nested_tensor=False).eval()
+    expected = dense(x)
+    for name in ("layers.0.self_attn", "layers.1.self_attn"):
+        attn = dense.get_submodule(name)
+        parent, _, child = name.rpartition(".")
+        setattr(dense.get_submodule(parent), child, pf.LowRankMultiheadAttention.from_dense(attn, 32))
+    torch.testing.assert_close(dense(x), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_lstm_inside_a_language_model() -> None:
+    model = pf.models.lstm_lm(vocab_size=50, embed_dim=32, hidden_size=32, dropout=0.0)
+    tokens = torch.randint(0, 50, (7, 3))
+    report = pf.factorize(model, preset="paper", rank_ratio=0.25, example_input=tokens)
+    assert [d.name for d in report.factorized] == ["rnn"]
+    assert isinstance(model.rnn, pf.LowRankLSTM) and model.rnn.rank == 8
+    assert model.decoder.weight is model.encoder.weight  # tied embeddings survive the surgery
+    logits, _ = model(tokens)
+    assert logits.shape == (7, 3, 50)
+    assert report.macs_after < report.macs_before
+
+
+def test_bidirectional_lstm_is_kept_with_reason() -> None:
+    model = nn.Sequential(nn.LSTM(16, 16, bidirectional=True))
+    report = pf.factorize(model, rank=2)
+    assert "bidirectional" in report.layers[0].reason and isinstance(model[0], nn.LSTM)
