@@ -21,6 +21,7 @@ MODELS = ("resnet18", "vgg19_bn", "lstm", "transformer")
 MODES = ("full", "pufferfish", "lowrank", "lth", "prune")
 COMMS = ("allreduce", "fp16", "powersgd", "signum", "topk")
 SCHEDULES = ("multistep", "cosine", "constant")
+NONFINITE = ("stop", "skip")
 
 
 class ConfigError(ValueError):
@@ -46,6 +47,15 @@ class TrainConfig:
     keep_first: int = 0  # also keep the first K factorizable layers full-rank
     extra_bn: bool = False  # BatchNorm between the two factors of each conv
     frobenius_decay: float = 0.0  # λ of Frobenius decay on low-rank layers (0: plain weight decay)
+    # Baselines (pufferfish.baselines): lth = lottery ticket, prune = network slimming
+    target_params: int = 0  # lth/prune: total parameter count to reach (0: by rounds/prune_ratio)
+    rounds: int = 0  # lth: pruning rounds L, each retrained `epochs` (0: what target needs, else 3)
+    prune_rate: float = 0.2  # lth: fraction of the remaining prunable weights cut per round
+    rewind_epoch: int = 0  # lth: rewind to the weights after this epoch of round 0 (0: init)
+    lth_exclude: list[str] = field(default_factory=list)  # lth: never pruned (empty: output layer)
+    prune_ratio: float = 0.5  # prune: fraction of the BatchNorm'd channels removed
+    prune_epoch: int = -1  # prune: epoch at whose start channels are cut (-1: epochs // 2)
+    slim_l1: float = 1e-4  # prune: L1 penalty on BatchNorm scales before the cut
     # Optimisation
     epochs: int = 10
     batch_size: int = 128  # per process
@@ -59,9 +69,11 @@ class TrainConfig:
     lr_warmup_epochs: float = 0.0  # linear LR warm-up from 0
     grad_clip: float = 0.0  # max gradient norm (0: off); the LM recipe uses 0.25
     amp: bool = False  # bf16 autocast on CPU, fp16 autocast + GradScaler on CUDA
+    nonfinite: str = "stop"  # on a non-finite loss/gradient: stop (named error) or skip the step
     seed: int = 0
     # Language models
     bptt: int = 35
+    max_vocab: int = 0  # keep the N-1 most frequent training words, map the rest to <unk> (0: all)
     dropout: float = 0.65
     # Distributed
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU), gloo, nccl
@@ -73,7 +85,7 @@ class TrainConfig:
     timeout_s: float = 300.0  # process-group timeout: a vanished peer is an error after this
     # Run directory and checkpoints
     out: str = ""  # run directory (empty: runs/<model>-<mode>)
-    resume: str = ""  # run directory to continue
+    resume: str = ""  # run directory to continue, or "auto": continue --out if it has a checkpoint
     checkpoint_every_epochs: int = 1
     checkpoint_every_steps: int = 0  # 0: only at epoch ends
     keep_checkpoints: int = 3
@@ -90,6 +102,7 @@ class TrainConfig:
         _choice("comm", self.comm, COMMS)
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("backend", self.backend, ("auto", "gloo", "nccl"))
+        _choice("nonfinite", self.nonfinite, NONFINITE)
         _positive("width", self.width)
         _positive("epochs", self.epochs)
         _positive("batch_size", self.batch_size)
@@ -98,7 +111,7 @@ class TrainConfig:
         _positive("bptt", self.bptt)
         _positive("timeout_s", self.timeout_s)
         _positive("powersgd_rank", self.powersgd_rank)
-        for name in ("train_subset", "test_subset", "keep_first", "checkpoint_every_epochs",
+        for name in ("max_vocab", "train_subset", "test_subset", "keep_first", "checkpoint_every_epochs",
                      "checkpoint_every_steps", "threads", "powersgd_start_iter"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
@@ -121,10 +134,32 @@ class TrainConfig:
             r = _float("rank_ratio", self.rank_ratio, "a number in (0, 1] or 'auto'")
             if not 0 < r <= 1:
                 raise ConfigError(f"rank_ratio {r} is out of range: allowed 0 < ratio <= 1 or 'auto'")
+        self._validate_baselines()
         if sorted(self.milestones) != list(self.milestones) or not all(
                 0 < m < 1 for m in self.milestones):
             raise ConfigError(f"milestones {self.milestones!r} are invalid: allowed increasing "
                               "fractions of the epochs, each in (0, 1)")
+
+    def _validate_baselines(self) -> None:
+        """The ``lth``/``prune`` keys (see :mod:`pufferfish.baselines`)."""
+        for name in ("target_params", "rounds", "rewind_epoch"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
+        if not 0 < self.prune_rate < 1:
+            raise ConfigError(f"prune_rate {self.prune_rate!r} is invalid: allowed 0 < rate < 1")
+        if not 0 <= self.prune_ratio < 1:
+            raise ConfigError(f"prune_ratio {self.prune_ratio!r} is invalid: allowed 0 <= ratio < 1")
+        if not (self.slim_l1 >= 0 and math.isfinite(self.slim_l1)):
+            raise ConfigError(f"slim_l1 {self.slim_l1!r} is invalid: allowed >= 0")
+        if self.mode in ("lth", "prune") and self.is_lm:
+            raise ConfigError(f"mode {self.mode!r} is invalid with model {self.model!r}: "
+                              "allowed resnet18, vgg19_bn")
+        if self.mode == "lth" and self.rewind_epoch >= self.epochs:
+            raise ConfigError(f"rewind_epoch {self.rewind_epoch} is invalid with epochs "
+                              f"{self.epochs}: allowed 0 <= rewind_epoch < epochs")
+        if self.mode == "prune" and not -1 <= self.prune_epoch < self.epochs:
+            raise ConfigError(f"prune_epoch {self.prune_epoch} is invalid with epochs "
+                              f"{self.epochs}: allowed 0 <= prune_epoch < epochs, or -1")
 
     # -- derived values ------------------------------------------------------------------
     @property

@@ -211,3 +211,18 @@ def test_config_file_and_unknown_key(tmp_path: Path) -> None:
     result = run_cli("train", "--config", str(bad))
     assert result.returncode == 2
     assert "unknown configuration key 'epocs' (did you mean 'epochs'?)" in result.stderr
+
+
+@pytest.mark.skipif(not __import__("shutil").which("bible"), reason="bible-kjv missing")
+def test_lstm_language_model_on_kjv(tmp_path: Path) -> None:
+    out = tmp_path / "lm"
+    result = run_cli("train", "--model", "lstm", "--data", "kjv", "--width", "0.02", "--max-vocab",
+                     "500", "--train-subset", "4000", "--test-subset", "1000", "--epochs", "2",
+                     "--warmup-epochs", "1", "--bptt", "10", "--batch-size", "8", "--lr", "20",
+                     "--momentum", "0", "--grad-clip", "0.25", "--threads", "1", "--no-progress",
+                     "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["lowrank"] for r in rows] == [False, True]
+    assert rows[1]["test_ppl"] < 500  # better than uniform over the 500-word vocabulary
+    assert "rnn" in (out / "factorization.txt").read_text()

@@ -113,6 +113,10 @@ class LanguageTask:
         self.cfg, self.corpus, self.env = cfg, corpus, env
         train = corpus.train[:cfg.train_subset] if cfg.train_subset else corpus.train
         test = corpus.test[:cfg.test_subset] if cfg.test_subset else corpus.test
+        self.vocab_size = corpus.ntokens
+        if 0 < cfg.max_vocab < corpus.ntokens:
+            train, test = _cap_vocabulary(train, test, corpus.ntokens, cfg.max_vocab)
+            self.vocab_size = cfg.max_vocab
         self.train_loader = datasets.BPTTLoader(train, cfg.batch_size, cfg.bptt, rank=env.rank,
                                                 world_size=env.world_size, device=env.device)
         self.test_loader = datasets.BPTTLoader(test, self.eval_columns, cfg.bptt, rank=env.rank,
@@ -120,12 +124,12 @@ class LanguageTask:
         self.batch_first = cfg.model == "transformer"
         if cfg.model == "lstm":
             dim = max(8, round(1500 * cfg.width))
-            self.model = models.build_model("lstm", vocab_size=corpus.ntokens, embed_dim=dim,
+            self.model = models.build_model("lstm", vocab_size=self.vocab_size, embed_dim=dim,
                                             hidden_size=dim, dropout=cfg.dropout)
         else:
             heads = 4
             d_model = max(heads * 8, round(256 * cfg.width) // heads * heads)
-            self.model = models.build_model("transformer", vocab_size=corpus.ntokens,
+            self.model = models.build_model("transformer", vocab_size=self.vocab_size,
                                             d_model=d_model, nhead=heads,
                                             dim_feedforward=4 * d_model, dropout=min(cfg.dropout, 0.2),
                                             max_len=max(512, cfg.bptt))
@@ -166,3 +170,14 @@ class LanguageTask:
     def example_input(self, device: torch.device) -> torch.Tensor:
         shape = (1, self.cfg.bptt) if self.batch_first else (self.cfg.bptt, 1)
         return torch.zeros(shape, dtype=torch.long, device=device)
+
+
+def _cap_vocabulary(train: torch.Tensor, test: torch.Tensor, ntokens: int, size: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Renumber words by training frequency; words beyond the ``size - 1`` most frequent become
+    one ``<unk>`` id (``size - 1``). Shrinks the softmax, which dominates small LMs' cost."""
+    counts = torch.bincount(train, minlength=ntokens)
+    order = torch.argsort(counts, descending=True, stable=True)
+    remap = torch.full((ntokens,), size - 1, dtype=torch.long)
+    remap[order[:size - 1]] = torch.arange(size - 1)
+    return remap[train], remap[test]
