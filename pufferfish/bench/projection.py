@@ -1,0 +1,202 @@
+"""Analytic α-β projection of step time to more workers and other bandwidths.
+
+A benchmark on one machine measures two workers. The paper's question, whether training a
+factorized model with plain all-reduce beats compressing the full model's gradients,
+depends on the worker count ``p`` and the bandwidth ``B``, so we project the measured
+figures with the textbook ring model (Thakur et al., 2005; the same model
+``pufferfish.distributed.hooks.ring_bytes`` uses for bytes):
+
+* all-reduce of ``n`` bytes, ``c`` collectives per step:
+  ``T = c * 2(p-1) * α + 2(p-1)/p * 8n / B``;
+* all-gather of ``n`` bytes per rank (signum, topk), ``c`` collectives per step:
+  ``T = c * (p-1) * α + (p-1) * 8n / B``.
+
+``B`` is in bits/s, ``n`` in bytes, ``α`` is the per-message latency in seconds. The
+latency term is multiplied by the number of collectives a step launches (one per DDP
+bucket; PowerSGD three), which the hooks count.
+
+A method's projected step time is ``compute + compress + T``: no overlap of communication
+with backward is assumed, so this is an upper bound on a real step, the same quantity
+the benchmark reports as ``comm_time`` (``step - compute``, the communication that
+overlap did NOT hide). ``compute`` and ``compress`` are taken as measured on the benchmark
+machine and assumed not to depend on ``p``.
+
+Against DDP both step times are ``fixed + slope / B`` curves, so there is at most one
+crossover bandwidth ``B* = (slope_ddp - slope_m) / (fixed_m - fixed_ddp)``: a method
+that sends fewer bytes but computes more (compression) beats DDP below ``B*``; one that
+sends fewer bytes and computes less (Pufferfish) beats it at every bandwidth.
+
+Pure math, no torch: unit-tested with known numbers in ``tests/test_bench.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "ALLGATHER_METHODS",
+    "DEFAULT_ALPHA",
+    "DEFAULT_BANDWIDTHS",
+    "DEFAULT_WORKERS",
+    "CommProfile",
+    "Crossover",
+    "comm_time",
+    "crossover",
+    "project",
+    "step_time",
+]
+
+DEFAULT_ALPHA = 50e-6  # s per message: a typical TCP/Ethernet latency in a data center
+DEFAULT_WORKERS: tuple[int, ...] = (8, 16, 64)
+DEFAULT_BANDWIDTHS: tuple[float, ...] = (1e9, 10e9, 100e9)  # bits/s
+ALLGATHER_METHODS = frozenset({"signum", "topk"})
+
+Kind = Literal["allreduce", "allgather"]
+
+
+@dataclass(frozen=True)
+class CommProfile:
+    """What one method costs per step on one worker, as measured by the benchmark.
+
+    ``payload_bytes`` is the hooks' ``bytes_sent``: the all-reduce input size, or this
+    rank's own all-gather contribution, without any algorithm factor.
+    """
+
+    method: str
+    compute_time: float
+    compress_time: float
+    payload_bytes: float
+    collectives: float = 1.0
+    kind: Kind = "allreduce"
+
+    @classmethod
+    def for_method(
+        cls,
+        method: str,
+        compute_time: float,
+        compress_time: float,
+        payload_bytes: float,
+        collectives: float = 1.0,
+    ) -> CommProfile:
+        """Profile with the collective kind the method's hook uses."""
+        kind: Kind = "allgather" if method in ALLGATHER_METHODS else "allreduce"
+        return cls(method, compute_time, compress_time, payload_bytes, collectives, kind)
+
+    def latency_term(self, p: int, alpha: float) -> float:
+        """Seconds of per-message latency per step on ``p`` workers."""
+        hops = 2 * (p - 1) if self.kind == "allreduce" else p - 1
+        return self.collectives * hops * alpha
+
+    def bits_on_wire(self, p: int) -> float:
+        """Bits one rank sends per step under the ring model (``slope`` of ``1/B``)."""
+        factor = 2 * (p - 1) / p if self.kind == "allreduce" else float(p - 1)
+        return factor * 8 * self.payload_bytes
+
+    def fixed_time(self, p: int, alpha: float) -> float:
+        """The part of a projected step that does not shrink with bandwidth."""
+        return self.compute_time + self.compress_time + self.latency_term(p, alpha)
+
+
+def _check(p: int, bandwidth_bps: float, alpha: float) -> None:
+    if p < 2:
+        raise ValueError(f"workers {p!r} is invalid: the model needs p >= 2")
+    if not bandwidth_bps > 0:
+        raise ValueError(f"bandwidth {bandwidth_bps!r} bit/s is invalid: allowed > 0")
+    if not alpha >= 0:
+        raise ValueError(f"alpha {alpha!r} s is invalid: allowed >= 0")
+
+
+def comm_time(
+    profile: CommProfile, p: int, bandwidth_bps: float, alpha: float = DEFAULT_ALPHA
+) -> float:
+    """Communication seconds per step under the ring α-β model (see the module doc)."""
+    _check(p, bandwidth_bps, alpha)
+    return profile.latency_term(p, alpha) + profile.bits_on_wire(p) / bandwidth_bps
+
+
+def step_time(
+    profile: CommProfile, p: int, bandwidth_bps: float, alpha: float = DEFAULT_ALPHA
+) -> float:
+    """Projected step seconds: measured compute + compress, plus modelled communication."""
+    return profile.compute_time + profile.compress_time + comm_time(profile, p, bandwidth_bps, alpha)
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """Where a method's projected step time equals DDP's, and on which side it wins.
+
+    ``region`` is ``"below"`` (beats DDP for bandwidths below ``bandwidth_bps``),
+    ``"above"``, ``"always"`` or ``"never"`` (``bandwidth_bps`` is ``None`` for the last two).
+    """
+
+    region: Literal["below", "above", "always", "never"]
+    bandwidth_bps: float | None = None
+
+    def describe(self) -> str:
+        if self.bandwidth_bps is None:
+            return {"always": "beats DDP at every bandwidth", "never": "never beats DDP"}[
+                self.region
+            ]
+        return f"beats DDP {self.region} {_fmt_bps(self.bandwidth_bps)}"
+
+
+def crossover(
+    method: CommProfile, ddp: CommProfile, p: int, alpha: float = DEFAULT_ALPHA
+) -> Crossover:
+    """Solve ``step_time(method, p, B) == step_time(ddp, p, B)`` for ``B``.
+
+    Both sides are ``fixed + slope / B``; with ``dfix = fixed_m - fixed_ddp`` and
+    ``dslope = slope_ddp - slope_m`` the method is faster iff ``dslope / B > dfix``, so
+    the single crossover is ``B* = dslope / dfix`` when the signs agree.
+    """
+    _check(p, 1.0, alpha)
+    dfix = method.fixed_time(p, alpha) - ddp.fixed_time(p, alpha)
+    dslope = ddp.bits_on_wire(p) - method.bits_on_wire(p)
+    if dslope > 0:  # the method sends less: it wins when bandwidth is scarce
+        return Crossover("below", dslope / dfix) if dfix > 0 else Crossover("always")
+    if dslope < 0:  # the method sends more: it can only win on a fast link
+        return Crossover("above", dslope / dfix) if dfix < 0 else Crossover("never")
+    return Crossover("always") if dfix < 0 else Crossover("never")
+
+
+def project(
+    profiles: list[CommProfile],
+    workers: tuple[int, ...] = DEFAULT_WORKERS,
+    bandwidths: tuple[float, ...] = DEFAULT_BANDWIDTHS,
+    alpha: float = DEFAULT_ALPHA,
+    baseline: str = "ddp",
+) -> list[dict[str, object]]:
+    """Projected step time of every profile for every ``(p, B)``, plus the crossover
+    against ``baseline`` (when present) and the speedup over it; one record per
+    ``(method, p, B)``."""
+    base = next((pr for pr in profiles if pr.method == baseline), None)
+    rows: list[dict[str, object]] = []
+    for p in workers:
+        for prof in profiles:
+            cross = crossover(prof, base, p, alpha) if base is not None else None
+            for bw in bandwidths:
+                t = step_time(prof, p, bw, alpha)
+                rows.append(
+                    {
+                        "method": prof.method,
+                        "workers": p,
+                        "bandwidth_bps": bw,
+                        "step_time": t,
+                        "comm_time": comm_time(prof, p, bw, alpha),
+                        "speedup_vs_ddp": (step_time(base, p, bw, alpha) / t) if base else None,
+                        "crossover_region": cross.region if cross else None,
+                        "crossover_bps": cross.bandwidth_bps if cross else None,
+                    }
+                )
+    return rows
+
+
+def _fmt_bps(bps: float) -> str:
+    if math.isinf(bps):
+        return "inf"
+    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:.3g} {unit}"
+    return f"{bps:.3g} bit/s"

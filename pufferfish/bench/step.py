@@ -1,0 +1,303 @@
+"""Worker of ``pufferfish bench``: time DDP training steps of one method on one link.
+
+Started once per rank by :mod:`pufferfish.bench.runner` (through
+:func:`pufferfish.bench.netns.run_workers`, which sets ``RANK``/``WORLD_SIZE``/
+``MASTER_ADDR``/``MASTER_PORT`` and, on an emulated link, runs us inside a network
+namespace). Rank 0 writes one JSON object to ``--out``; the runner reads it.
+
+What is measured, per rank, after ``--warmup`` full steps (DDP re-buckets after its first
+step and PowerSGD starts compressing at step ``--powersgd-start-iter``, so warm-up must
+cover both):
+
+``compute_time``
+    Median of ``--compute-steps`` steps (zero_grad, forward, backward, optimizer step)
+    run under ``ddp.no_sync()``: the same work with no gradient communication at all.
+    The model and optimizer are restored after each, so the replicas do not drift.
+``step_time``
+    Median of ``--steps`` full DDP steps with the method's comm hook, each started
+    after a barrier (in training the previous step's all-reduce aligns the ranks).
+    Compute-only and full steps alternate, so both see the same load on a shared machine.
+``comm_time``
+    ``step_time - compute_time``: the communication (including the hook's encode/decode)
+    that overlap with backward did NOT hide. It is what a faster network can save.
+``compress_time`` / ``hook_time``, ``bytes_per_step`` / ``ring_bytes_per_step``
+    The hook's :class:`~pufferfish.distributed.hooks.CommStats` per step (median times,
+    mean bytes). ``bytes_per_step`` is the payload this rank hands to collectives;
+    ``ring_bytes_per_step`` what it sends under the ring model.
+
+Ranks agree on everything but the timings; the record takes the slowest rank's medians
+(a synchronous step cannot beat the slowest rank's compute) and keeps every rank's.
+
+All communication goes through the hook: DDP is built with ``broadcast_buffers=False``
+(otherwise it broadcasts BatchNorm statistics in every forward, even under ``no_sync``,
+which would put an uncounted collective into ``compute_time``). Batches are real
+Fashion-MNIST minibatches, prepared before timing so data loading is never timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import inspect
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["METHODS", "PUFFERFISH_RANK_RATIO", "hook_for", "main", "method_options"]
+
+# method -> (factorize the model?, comm hook)
+METHODS: dict[str, tuple[bool, str]] = {
+    "ddp": (False, "allreduce"),
+    "fp16": (False, "fp16"),
+    "powersgd": (False, "powersgd"),
+    "signum": (False, "signum"),
+    "topk": (False, "topk"),
+    "pufferfish": (True, "allreduce"),
+    "pufferfish+powersgd": (True, "powersgd"),
+}
+PUFFERFISH_RANK_RATIO = 0.25  # the paper's ratio, with the model's "paper" preset
+
+# No BatchNorm-statistics broadcast in forward (see the module docstring); newer torch
+# renamed the flag and warns about the old one.
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+def hook_for(method: str) -> tuple[bool, str]:
+    """``(factorized, hook name)`` of a benchmark method; ``ValueError`` names the allowed ones."""
+    try:
+        return METHODS[method]
+    except KeyError:
+        raise ValueError(f"unknown method {method!r}: allowed {', '.join(METHODS)}") from None
+
+
+def method_options(hook: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Hyperparameters of ``hook`` from the command line (the hooks' own names)."""
+    if hook == "powersgd":
+        return {
+            "matrix_approximation_rank": args.powersgd_rank,
+            "start_powerSGD_iter": args.powersgd_start_iter,
+        }
+    if hook == "topk":
+        return {"ratio": args.topk_ratio}
+    if hook == "signum":
+        return {"beta": args.signum_beta}
+    return {}
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m pufferfish.bench.step", description=__doc__)
+    ap.add_argument("--method", required=True, choices=list(METHODS))
+    ap.add_argument("--model", default="resnet18")
+    ap.add_argument("--width", type=float, default=0.5)
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--compute-steps", type=int, default=5)
+    ap.add_argument("--powersgd-rank", type=int, default=4)
+    ap.add_argument("--powersgd-start-iter", type=int, default=2)
+    ap.add_argument("--topk-ratio", type=float, default=0.01)
+    ap.add_argument("--signum-beta", type=float, default=0.9)
+    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--cache-dir", default=None, help="decoded-tensor cache shared by workers")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
+    return ap
+
+
+def _batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list[Any]:
+    """``n`` real training minibatches of this rank's shard, materialized up front."""
+    from ..data import DEFAULT_FASHION_DIR, NORMALIZATION, TensorImageLoader, load_fashion_mnist
+
+    images, labels = load_fashion_mnist(
+        args.data_dir or DEFAULT_FASHION_DIR, "train", cache_dir=args.cache_dir
+    )
+    mean, std = NORMALIZATION["fashion-mnist"]
+    loader = TensorImageLoader(
+        images, labels, args.batch_size, mean=mean, std=std, shuffle=True, augment=True,
+        crop_padding=2, seed=args.seed, rank=rank, world_size=world, drop_last=True,
+    )  # fmt: skip
+    out: list[Any] = []
+    epoch = 0
+    while len(out) < n:
+        loader.set_epoch(epoch)
+        out.extend(batch for _, batch in zip(range(n - len(out)), loader))
+        epoch += 1
+    return out
+
+
+def _build(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, int]:
+    """The model (factorized for Pufferfish methods) and its full-rank parameter count."""
+    from ..lowrank import factorize
+    from ..models import build_model
+
+    torch.manual_seed(args.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
+    model = build_model(args.model, num_classes=10, in_channels=1, width=args.width, image_size=28)
+    full = sum(p.numel() for p in model.parameters())
+    if factorized:
+        factorize(model, rank_ratio=PUFFERFISH_RANK_RATIO, preset="paper")
+    return model, full
+
+
+def _train_step(ddp: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> None:
+    x, y = batch
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(ddp(x), y).backward()
+    opt.step()
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[1], q[2]
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the protocol of the module docstring on this rank; return its measurements."""
+    from ..distributed.hooks import register_comm_hook
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    factorized, hook = hook_for(args.method)
+    model, full_params = _build(args, factorized)
+    ddp = DistributedDataParallel(model, **_NO_BUFFER_SYNC)
+    state = register_comm_hook(ddp, hook, **method_options(hook, args))
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+    batches = iter(_batches(args, rank, world, args.warmup + args.compute_steps + args.steps))
+
+    for _ in range(args.warmup):
+        _train_step(ddp, opt, next(batches))
+
+    # Compute-only and full steps alternate, so that both medians see the same machine load
+    # (other processes come and go on a shared machine).
+    compute: list[float] = []
+    steps: list[float] = []
+    stats: list[dict[str, float]] = []
+    for i in range(max(args.steps, args.compute_steps)):
+        if i < args.compute_steps:
+            # The same step with DDP's gradient synchronization switched off; its local-only
+            # update is undone so that the replicas stay identical.
+            saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+            batch = next(batches)
+            with ddp.no_sync():
+                compute.append(_timed(lambda b=batch: _train_step(ddp, opt, b)))
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
+        if i < args.steps:
+            # Ranks start each full step together, as the previous step's all-reduce would
+            # have aligned them in training (a compute-only step does not).
+            dist.barrier()
+            batch = next(batches)
+            state.stats.reset()
+            steps.append(_timed(lambda b=batch: _train_step(ddp, opt, b)))
+            stats.append(state.stats.snapshot())
+
+    def median_of(key: str) -> float:
+        return statistics.median(s[key] for s in stats)
+
+    def mean_of(key: str) -> float:
+        return statistics.fmean(s[key] for s in stats)
+
+    return {
+        "rank": rank,
+        "step_times": steps,
+        "compute_times": compute,
+        "step_time": statistics.median(steps),
+        "step_time_quartiles": _quartiles(steps),
+        "compute_time": statistics.median(compute),
+        "compute_time_quartiles": _quartiles(compute),
+        "compress_time": median_of("compress_time"),
+        "hook_time": median_of("hook_time"),
+        "bytes_per_step": mean_of("bytes_sent"),
+        "ring_bytes_per_step": mean_of("ring_bytes"),
+        "dense_bytes_per_step": mean_of("dense_bytes"),
+        "collectives_per_step": mean_of("comm_calls"),
+        "params": sum(p.numel() for p in model.parameters()),
+        "params_full": full_params,
+        "factorized": factorized,
+        "hook": hook,
+    }
+
+
+def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from every rank's measurements: the slowest rank's timings, rank 0's counts."""
+    r0 = per_rank[0]
+    step = max(r["step_time"] for r in per_rank)
+    compute = max(r["compute_time"] for r in per_rank)
+    return {
+        "step_time": step,
+        "compute_time": compute,
+        "comm_time": max(0.0, step - compute),
+        "compress_time": max(r["compress_time"] for r in per_rank),
+        "hook_time": max(r["hook_time"] for r in per_rank),
+        **{
+            k: r0[k]
+            for k in (
+                "bytes_per_step",
+                "ring_bytes_per_step",
+                "dense_bytes_per_step",
+                "collectives_per_step",
+                "params",
+                "params_full",
+                "factorized",
+                "hook",
+            )
+        },
+        "per_rank": per_rank,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    try:
+        mine = measure(args)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        if dist.get_rank() == 0:
+            record = {
+                "method": args.method,
+                "model": args.model,
+                "width": args.width,
+                "batch_size": args.batch_size,
+                "workers": dist.get_world_size(),
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "compute_steps": args.compute_steps,
+                "threads": torch.get_num_threads(),
+                **combine(gathered),
+            }
+            tmp = Path(args.out + ".tmp")
+            tmp.write_text(json.dumps(record, indent=1))
+            tmp.replace(args.out)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

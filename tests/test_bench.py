@@ -1,0 +1,273 @@
+"""``pufferfish bench``: the projection math, and real tiny benchmark runs.
+
+The runs start real gloo worker groups on real Fashion-MNIST batches; the emulated-link
+run needs root + iproute2 and is skipped with the reason otherwise, never faked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pufferfish import factorize
+from pufferfish.bench import projection as proj
+from pufferfish.bench.netns import netns_available
+from pufferfish.bench.runner import (
+    BenchConfig,
+    _add_speedups,
+    _markdown,
+    _project,
+    time_to_accuracy,
+)
+from pufferfish.cli import main
+from pufferfish.models import build_model
+
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+needs_fashion = pytest.mark.skipif(not FASHION.exists(), reason="dataset-fashion-mnist missing")
+needs_netns = pytest.mark.skipif(
+    netns_available() is not None, reason=f"link emulation unavailable: {netns_available()}"
+)
+
+TINY = ["--model", "resnet18", "--width", "0.125", "--batch-size", "8", "--steps", "3",
+        "--warmup", "2", "--compute-steps", "3", "--threads", "1", "--no-probe"]
+CONTRACT = ("method", "bandwidth", "step_time", "compute_time", "comm_time", "compress_time",
+            "bytes_per_step", "ring_bytes_per_step", "speedup_vs_ddp")
+
+
+# -- projection: pure math ---------------------------------------------------------------------
+
+
+def _profile(method: str, compute: float, compress: float, payload: float,
+             collectives: float = 1.0) -> proj.CommProfile:
+    return proj.CommProfile.for_method(method, compute, compress, payload, collectives)
+
+
+def test_ring_allreduce_known_numbers() -> None:
+    ddp = _profile("ddp", 0.1, 0.0, 1e6)
+    # 2(p-1) α + 2(p-1)/p * 8n/B at p=2: 2 * 50 µs + 1 * 8e6 / 1e9
+    assert proj.comm_time(ddp, 2, 1e9, 50e-6) == pytest.approx(1e-4 + 8e-3)
+    # p=8, 25 MB, 10 Gbit/s, no latency: 2*7/8 * 2e8 / 1e10
+    big = _profile("ddp", 0.0, 0.0, 25e6)
+    assert proj.comm_time(big, 8, 10e9, 0.0) == pytest.approx(0.035)
+    # Latency counts once per collective (PowerSGD launches three per bucket).
+    three = _profile("powersgd", 0.0, 0.0, 0.0, collectives=3)
+    assert proj.comm_time(three, 4, 1e9, 1e-3) == pytest.approx(3 * 6 * 1e-3)
+    assert proj.step_time(ddp, 2, 1e9, 50e-6) == pytest.approx(0.1 + 1e-4 + 8e-3)
+
+
+def test_allgather_methods_pay_p_minus_1_times_their_payload() -> None:
+    signum = _profile("signum", 0.0, 0.0, 1e5, collectives=2)
+    assert signum.kind == "allgather"
+    # c (p-1) α + (p-1) 8n/B: 2*15*50e-6 + 15*8e5/1e9
+    assert proj.comm_time(signum, 16, 1e9, 50e-6) == pytest.approx(1.5e-3 + 1.2e-2)
+    assert _profile("topk", 0, 0, 1).kind == "allgather"
+    assert _profile("pufferfish+powersgd", 0, 0, 1).kind == "allreduce"
+
+
+def test_crossover_known_number_and_equality() -> None:
+    # DDP: 0.1 s compute, 10 MB; method: 0.11 s, nothing sent; p=2, α=0:
+    # 0.1 + 8e7/B = 0.11  =>  B* = 8 Gbit/s, and the method wins below it.
+    ddp = _profile("ddp", 0.1, 0.0, 10e6)
+    free = _profile("powersgd", 0.1, 0.01, 0.0)
+    c = proj.crossover(free, ddp, 2, alpha=0.0)
+    assert c.region == "below" and c.bandwidth_bps == pytest.approx(8e9)
+    assert c.describe() == "beats DDP below 8 Gbit/s"
+
+
+@pytest.mark.parametrize("p", [2, 8, 16, 64])
+def test_crossover_solves_the_equality(p: int) -> None:
+    ddp = _profile("ddp", 0.25, 0.0, 45e6, collectives=4)
+    psgd = _profile("powersgd", 0.25, 0.03, 0.6e6, collectives=12)
+    topk = _profile("topk", 0.25, 0.01, 0.9e6, collectives=4)
+    for m in (psgd, topk):
+        c = proj.crossover(m, ddp, p)
+
+        def wins(b: float, m: proj.CommProfile = m) -> bool:
+            return proj.step_time(m, p, b) < proj.step_time(ddp, p, b)
+
+        if c.bandwidth_bps is None:  # no crossing: the same answer at every bandwidth
+            assert all(wins(10.0**e) == (c.region == "always") for e in range(6, 13))
+            continue
+        b = c.bandwidth_bps
+        assert proj.step_time(m, p, b) == pytest.approx(proj.step_time(ddp, p, b), rel=1e-12)
+        assert wins(b / 2) == (c.region == "below")
+        assert wins(2 * b) == (c.region == "above")
+
+
+def test_crossover_regions() -> None:
+    ddp = _profile("ddp", 0.2, 0.0, 40e6)
+    # Fewer bytes AND less compute (Pufferfish): faster at every bandwidth.
+    assert proj.crossover(_profile("pufferfish", 0.15, 0.0, 10e6), ddp, 16).region == "always"
+    # More bytes and more compute: never.
+    assert proj.crossover(_profile("fp16", 0.3, 0.0, 50e6), ddp, 16).region == "never"
+    # More bytes but less compute: only on a fast enough link.
+    c = proj.crossover(_profile("pufferfish", 0.1, 0.0, 80e6), ddp, 8)
+    assert c.region == "above"
+    assert proj.step_time(_profile("pufferfish", 0.1, 0.0, 80e6), 8, c.bandwidth_bps) == \
+        pytest.approx(proj.step_time(ddp, 8, c.bandwidth_bps))
+
+
+def test_projection_rows_and_bad_input() -> None:
+    profiles = [_profile("ddp", 0.2, 0.0, 40e6), _profile("pufferfish", 0.15, 0.0, 10e6)]
+    rows = proj.project(profiles)
+    assert len(rows) == 3 * 2 * 3
+    assert all(r["speedup_vs_ddp"] == pytest.approx(1.0) for r in rows if r["method"] == "ddp")
+    assert all(r["crossover_region"] == "always" for r in rows if r["method"] == "pufferfish")
+    with pytest.raises(ValueError, match="p >= 2"):
+        proj.comm_time(profiles[0], 1, 1e9)
+    with pytest.raises(ValueError, match="bandwidth"):
+        proj.comm_time(profiles[0], 2, 0.0)
+
+
+# -- the report from synthetic records (no processes) ------------------------------------------------
+
+
+def _record(method: str, bw: str, rate: float | None, step: float, compute: float,
+            compress: float, nbytes: float, calls: float = 1.0) -> dict[str, Any]:
+    return {"method": method, "bandwidth": bw, "bandwidth_bps": rate, "link_bps": rate,
+            "workers": 2, "step_time": step, "compute_time": compute,
+            "comm_time": step - compute, "compress_time": compress, "hook_time": 0.0,
+            "bytes_per_step": nbytes, "ring_bytes_per_step": nbytes,
+            "collectives_per_step": calls, "params": nbytes / 4,
+            "factorized": method.startswith("pufferfish")}
+
+
+def test_report_from_synthetic_records(tmp_path: Path) -> None:
+    recs = [_record("ddp", "100mbit", 1e8, 1.0, 0.2, 0.0, 10e6),
+            _record("powersgd", "100mbit", 1e8, 0.3, 0.2, 0.05, 0.2e6, 3),
+            _record("ddp", "loopback", None, 0.25, 0.2, 0.0, 10e6)]
+    _add_speedups(recs)
+    assert recs[1]["speedup_vs_ddp"] == pytest.approx(1.0 / 0.3)
+    cfg = BenchConfig(out=str(tmp_path), methods=["ddp", "powersgd"])
+    projection = _project(recs, cfg)
+    # The model's 2-worker prediction: 0.2 + 2*α + 8e7/1e8 = 1.0001 s for DDP at 100mbit.
+    assert recs[0]["predicted_step_time"] == pytest.approx(0.2 + 2 * cfg.alpha + 0.8)
+    assert recs[2]["predicted_step_time"] is None  # loopback, not probed: no rate to model
+    assert projection["crossovers"]["powersgd"]["16"]["region"] == "below"
+    result = {"records": recs, "projection": projection, "links": [],
+              "skipped": [{"bandwidth": "1gbit", "reason": "no root"}], "failures": []}
+    md = _markdown(cfg, result, plots=[])
+    assert "| powersgd | 100mbit |" in md and "beats DDP below" in md and "no root" in md
+    assert "| ddp | 100mbit | 1000.0 | 200.0 | 800.0 |" in md
+
+
+def test_emulation_unavailable_is_skipped_not_faked(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from pufferfish.bench import runner
+
+    monkeypatch.setattr(runner, "netns_available", lambda: "network emulation needs root")
+    said: list[str] = []
+    cfg = BenchConfig(methods=["ddp"], bandwidths=["100mbit"], out=str(tmp_path))
+    result = runner.run_bench(cfg, log=said.append)
+    assert result["records"] == [] and result["failures"] == []
+    assert result["skipped"] == [{"bandwidth": "100mbit", "reason": "network emulation needs root"}]
+    assert any("skipping 100mbit" in line and "needs root" in line for line in said)
+    assert json.loads((tmp_path / "results.json").read_text()) == []
+    assert "skipped: network emulation needs root" in (tmp_path / "results.md").read_text()
+
+
+def test_time_to_accuracy(tmp_path: Path) -> None:
+    from pufferfish.bench.runner import _train_markdown, _train_summary
+
+    rows = [{"epoch_time": 10.0, "test_acc": 0.5}, {"epoch_time": 12.0, "test_acc": 0.8}]
+    assert time_to_accuracy(rows, 0.7) == 22.0
+    assert time_to_accuracy(rows, 0.5) == 10.0
+    assert time_to_accuracy(rows, 0.9) is None
+    slow = [{"epoch_time": 30.0, "test_acc": 0.6}, {"epoch_time": 30.0, "test_acc": 0.7}]
+    for name, rs in (("ddp", slow), ("pufferfish", rows)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+    summary = _train_summary("100mbit", [(m, tmp_path / m) for m in ("ddp", "pufferfish")])
+    # target: the best accuracy both runs reached (0.7)
+    assert [(r["method"], r["target_acc"], r["time_to_target"]) for r in summary] == [
+        ("ddp", 0.7, 60.0), ("pufferfish", 0.7, 22.0)]
+    md = _train_markdown(BenchConfig(), summary, [], [])
+    assert "| 100mbit | pufferfish | 80.00% | 80.00% | 22.0 | 70.00% | 22.0 |" in md
+
+
+# -- bad input: one line, exit 2, nothing started ------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--bandwidth", "5furlongs"], "'5furlongs'"),
+    (["--methods", "ddp,gossip"], "unknown method 'gossip'"),
+    (["--workers", "4", "--bandwidth", "loopback,100mbit"], "exactly 2 workers"),
+    (["--powersgd-start-iter", "1"], "powersgd_start_iter"),
+])
+def test_bad_input_exits_2_with_one_line(args: list[str], needle: str, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench"
+    assert main(["bench", *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("pufferfish: error:"), err
+    assert needle in err
+    assert not out.exists()
+
+
+# -- real runs -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def loopback(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("bench-loopback")
+    rc = main(["bench", *TINY, "--methods", "ddp,pufferfish", "--bandwidth", "loopback",
+               "--out", str(out)])
+    assert rc == 0
+    assert (out / "results.md").exists() and (out / "projection.json").exists()
+    assert (out / "step_time.png").stat().st_size > 0 and (out / "projection.png").exists()
+    return json.loads((out / "results.json").read_text())
+
+
+@needs_fashion
+def test_loopback_run_contract(loopback: list[dict[str, Any]]) -> None:
+    assert [r["method"] for r in loopback] == ["ddp", "pufferfish"]
+    for r in loopback:
+        missing = [k for k in CONTRACT if k not in r]
+        assert not missing, missing
+        assert r["bandwidth"] == "loopback" and r["workers"] == 2
+        assert r["step_time"] > 0 and r["compute_time"] > 0 and r["comm_time"] >= 0
+        assert r["compress_time"] == 0.0  # plain all-reduce encodes nothing
+        # 2 ranks: a ring all-reduce sends 2(p-1)/p = 1x the payload
+        assert r["ring_bytes_per_step"] == pytest.approx(r["bytes_per_step"])
+    ddp, puff = loopback
+    assert ddp["speedup_vs_ddp"] == 1.0
+    assert puff["speedup_vs_ddp"] == pytest.approx(ddp["step_time"] / puff["step_time"])
+
+
+@needs_fashion
+def test_pufferfish_bytes_follow_the_parameter_count(loopback: list[dict[str, Any]]) -> None:
+    def params(factorized: bool) -> int:
+        model = build_model("resnet18", num_classes=10, in_channels=1, width=0.125, image_size=28)
+        if factorized:
+            factorize(model, rank_ratio=0.25, preset="paper")
+        return sum(p.numel() for p in model.parameters())
+
+    ddp, puff = loopback
+    ratio = puff["bytes_per_step"] / ddp["bytes_per_step"]
+    assert ratio == pytest.approx(params(True) / params(False), rel=0.02)
+    assert ratio < 0.5
+
+
+@needs_fashion
+@needs_netns
+def test_emulated_link_costs_communication_time(loopback: list[dict[str, Any]],
+                                                tmp_path: Path) -> None:
+    rc = main(["bench", *TINY, "--methods", "ddp", "--bandwidth", "100mbit",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    [emu] = json.loads((tmp_path / "results.json").read_text())
+    loop = loopback[0]
+    assert emu["bandwidth"] == "100mbit" and emu["bandwidth_bps"] == 100_000_000
+    assert emu["bytes_per_step"] == loop["bytes_per_step"]
+    wire = 8 * emu["bytes_per_step"] / 100e6  # seconds at the nominal rate
+    assert emu["comm_time"] > loop["comm_time"]
+    assert emu["comm_time"] > 0.5 * wire, (emu["comm_time"], wire)
+    ours = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"pf-{os.getpid()}-" not in ours  # namespaces removed
+    assert math.isfinite(emu["predicted_step_time"])
