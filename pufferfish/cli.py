@@ -7,42 +7,101 @@ one-line ``pufferfish: error: ...`` on stderr and exit status 2; ``--debug`` sho
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from .config import FIELDS, ConfigError, field_kind
 
 __all__ = ["main"]
 
-EXIT_USAGE = 2
+EXIT_FAILURE = 1  # the run failed for a reason outside this process (a peer crashed or froze)
+EXIT_USAGE = 2  # bad input: flags, config, data, checkpoints, a diverging run
+
+
+class _Parser(argparse.ArgumentParser):
+    """``argparse`` with one-line errors and "did you mean" suggestions.
+
+    argparse's own error prints a multi-line usage block before the message; under torchrun that
+    block is repeated per rank and buries the one line that matters. Abbreviated flags are off:
+    ``--warmup 2`` silently meaning ``--warmup-epochs`` (or being ambiguous once another flag
+    starts the same way) is a configuration accident, not a convenience.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        print(f"pufferfish: error: {_with_suggestion(self, message)}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _with_suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """Add "did you mean" to argparse's unknown-flag and invalid-choice messages."""
+    message = " ".join(message.split())
+    if message.startswith("unrecognized arguments:"):
+        flags = [a.split("=", 1)[0] for a in message.split(":", 1)[1].split() if a.startswith("-")]
+        options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        close = difflib.get_close_matches(flags[0], options, n=1) if flags else []
+        return message + (f" (did you mean {close[0]}?)" if close else "")
+    m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if m:
+        choices = re.findall(r"'([^']*)'", m.group(2))
+        close = difflib.get_close_matches(m.group(1), choices, n=1)
+        return message + (f" (did you mean {close[0]!r}?)" if close else "")
+    return message
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    # parse_known_args + our own error: the unknown flag is then matched against the options of
+    # the command it was given to, so the suggestion is one that command accepts.
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extras)}")
     if args.command is None:
-        parser.print_help()
-        return EXIT_USAGE
+        parser.error("missing COMMAND (train, factorize, report, ...); see pufferfish --help")
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
         print("pufferfish: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        if getattr(args, "debug", False) or not _is_user_error(e):
+        if getattr(args, "debug", False):
+            raise
+        from .training.loop import PeerError
+
+        if isinstance(e, PeerError):
+            print(f"pufferfish: error: {_one_line(e)}", file=sys.stderr)
+            return EXIT_FAILURE
+        if not _is_user_error(e):
             raise
         print(f"pufferfish: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
 
 
 def _is_user_error(e: Exception) -> bool:
+    """Errors caused by what the user gave us (or their machine), reported in one line.
+
+    ``OSError`` is included for the run directory's own failures (permission denied, disk full,
+    ``--out`` naming a file): a traceback into ``os.replace`` helps nobody.
+    """
     from .data import DataError
     from .training.checkpoint import CheckpointError
     from .training.loop import TrainingError
 
     return isinstance(e, ConfigError | DataError | CheckpointError | TrainingError | ValueError
-                      | FileNotFoundError)
+                      | OSError)
 
 
 def _one_line(e: BaseException) -> str:
@@ -51,7 +110,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pufferfish",
         description="Communication-efficient distributed training with pre-factorized low-rank "
                     "networks (Pufferfish, MLSys 2021).")
@@ -93,7 +152,55 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default=None, help="write report.md and plots here")
     report.add_argument("--debug", action="store_true")
     report.set_defaults(run=_cmd_report)
+
+    compare = sub.add_parser(
+        "compare", help="full-rank, Pufferfish, LTH and structured pruning at matched size",
+        description="Trains each method on the same data and schedule (one run directory each "
+                    "under --out, resumed if run again), then writes compare.md, compare.json, "
+                    "tradeoff.png and report.md there. Training options as for `train`.")
+    compare.add_argument("--config", help="TOML file of training options")
+    compare.add_argument("--out", default=None, help="directory of the runs and the report "
+                                                     "(default: runs/compare-<model>)")
+    compare.add_argument("--methods", default="full,pufferfish,lth,prune",
+                         help="comma-separated subset of full,pufferfish,lth,prune")
+    compare.add_argument("--also-matched-pufferfish", action="store_true",
+                         help="also train Pufferfish at the pruned model's parameter count")
+    compare.add_argument("--workers", type=int, default=1,
+                         help="processes per run (>1: each run under torchrun, DDP)")
+    compare.add_argument("--latency-repeats", type=int, default=20,
+                         help="timed forward passes at batch 1 (a quarter of them at batch 128)")
+    compare.add_argument("--latency", action=argparse.BooleanOptionalAction, default=True,
+                         help="time inference of the final models on this CPU")
+    compare.add_argument("--debug", action="store_true", help="show tracebacks")
+    _config_flags(compare, skip=("mode", "out", "resume"))
+    compare.set_defaults(run=_cmd_compare)
+
+    from .bench.runner import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="time each method's DDP steps over real and emulated "
+                                         "links; project to more workers (--train: accuracy "
+                                         "against time)",
+                           description="Writes results.json, results.md and plots into --out.")
+    add_bench_arguments(bench)
+    bench.add_argument("--debug", action="store_true", help="show tracebacks")
+    bench.set_defaults(run=_cmd_bench)
     return parser
+
+
+def _config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...]) -> None:
+    """A ``--flag`` for every TrainConfig field (as ``train`` has), except those in ``skip``."""
+    for name, f in FIELDS.items():
+        if name in skip:
+            continue
+        kind = field_kind(name)
+        flag = "--" + name.replace("_", "-")
+        default_text = f.default if f.default is not f.default_factory else "[]"  # type: ignore[misc]
+        if kind is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                default=None, help=f"(default: {default_text})")
+        else:
+            parser.add_argument(flag, dest=name, default=None, metavar=kind.__name__.upper(),
+                                help=f"(default: {default_text!r})")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -103,7 +210,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {k: getattr(args, k) for k in FIELDS
                                  if getattr(args, k, None) is not None}
     config = args.config
-    if overrides.get("resume"):
+    if overrides.get("resume") and overrides["resume"] != "auto":
         # Continue a run: its saved configuration, then any flags given now (e.g. more epochs).
         from pathlib import Path
 
@@ -143,11 +250,35 @@ def _cmd_factorize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .baselines.compare import compare
+    from .config import load_config
+
+    overrides: dict[str, Any] = {k: getattr(args, k) for k in FIELDS
+                                 if getattr(args, k, None) is not None}
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    # The base configuration is checked as Pufferfish's only when Pufferfish is run.
+    overrides["mode"] = "pufferfish" if "pufferfish" in methods else "full"
+    cfg = load_config(args.config, overrides)
+    if args.workers < 1 or args.latency_repeats < 1:
+        raise ConfigError("--workers and --latency-repeats must be >= 1")
+    out = args.out or f"runs/compare-{cfg.model}"
+    print(compare(cfg, out, methods=methods, matched=args.also_matched_pufferfish,
+                  workers=args.workers, repeats=args.latency_repeats, latency=args.latency))
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from .training.report import compare_runs
 
     print(compare_runs(args.runs, args.out))
     return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.runner import run_from_args
+
+    return run_from_args(args)
 
 
 if __name__ == "__main__":

@@ -58,9 +58,37 @@ def setup(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         return DistEnv(device=device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = _attempt_store(rank, world_size, timeout)
+        dist.init_process_group(backend, timeout=timeout, store=store,
+                                rank=rank if store is not None else -1,
+                                world_size=world_size if store is not None else -1,
                                 device_id=device if backend == "nccl" else None)
     return DistEnv(rank, world_size, local_rank, device, backend)
+
+
+def _attempt_store(rank: int, world_size: int,
+                   timeout: datetime.timedelta) -> dist.Store | None:
+    """torchrun's store, namespaced by restart attempt; None for the plain ``env://`` path.
+
+    Why: under ``torchrun --max-restarts`` (static rendezvous) the agent's TCPStore outlives the
+    workers, and the process group's keys (where each rank's gloo pair listens) are the same in
+    every attempt. A restarted rank can then read a peer's address from the *previous* attempt
+    and fail with "connection refused", or wait for it until the timeout. Prefixing the keys with
+    ``TORCHELASTIC_RESTART_COUNT`` keeps the attempts apart. The count is the same on every
+    worker of a static group (all are restarted together); if it is not in your setup (nodes
+    joining a c10d rendezvous, which gives each round a fresh store anyway), set
+    ``PUFFERFISH_ATTEMPT_PREFIX=0``.
+    """
+    try:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        restart = 0
+    if (restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or os.environ.get("PUFFERFISH_ATTEMPT_PREFIX", "1") == "0"):
+        return None
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    return dist.PrefixStore(f"pufferfish/attempt_{restart}", store)
 
 
 def cleanup() -> None:

@@ -10,16 +10,29 @@ Determinism: every random draw is a function of ``(seed, epoch, step, rank)``: t
 epoch comes from ``seed + epoch``, and the global RNG (dropout, augmentation) is reseeded at every
 step. So a run resumed from any checkpoint, before or after the switch, replays exactly the steps
 an uninterrupted run would have taken.
+
+Reliability (``docs/reliability.md``): under ``torchrun --max-restarts K`` a restarted group resumes
+from the newest complete checkpoint of its run directory by itself; at start every rank checks that
+all ranks have the same configuration, data and resume point; a peer that crashes or freezes is a
+one-line :class:`PeerError` within the process-group timeout; a non-finite loss or gradient stops
+(or skips the step) on every rank at the same step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import json
 import math
 import os
+import re
 import signal
+import sys
+import threading
 import time
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import TrainConfig, dump_toml
+from ..config import ConfigError, TrainConfig, dump_toml
+from ..data import DataError
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 from ..lowrank import count_macs
@@ -39,11 +53,29 @@ from .metrics import MetricsWriter
 from .schedule import lr_at
 from .tasks import Task, build_task
 
-__all__ = ["TrainingError", "train"]
+__all__ = ["PeerError", "TrainingError", "train"]
 
 
 class TrainingError(RuntimeError):
     """Training cannot continue (non-finite loss, incompatible checkpoint); one-line message."""
+
+
+class PeerError(RuntimeError):
+    """Another process of the group crashed, was killed or froze; this one cannot continue.
+
+    Separate from :class:`TrainingError` because nothing is wrong with this process's input: the
+    CLI reports it in one line with exit status 1 (not 2), and the reason is in the peer's log.
+    """
+
+
+# Fields that may legitimately differ between ranks: node-local paths, per-process CPU threads,
+# and rank 0's progress bar. Everything else must be identical or the replicas train different
+# things (or deadlock in mismatched collectives).
+PER_RANK_FIELDS = ("data_dir", "threads", "progress")
+# Fields that do not change what is computed, so an automatic resume (torchelastic restart or
+# ``--resume auto``) may find them changed; any other difference means the run directory holds a
+# different run, which is refused rather than silently continued.
+RUN_LOCAL_FIELDS = (*PER_RANK_FIELDS, "resume", "download", "timeout_s", "keep_checkpoints")
 
 
 @dataclass
@@ -65,12 +97,25 @@ class RunState:
 def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]]:
     """Run one training job as configured; returns the metrics rows (one per epoch).
 
-    ``method`` defaults to the one registered for ``cfg.mode``.
+    ``method`` defaults to the one registered for ``cfg.mode``. In a process group, a failure of
+    the group itself (a peer crashed, froze, or never came) is raised as :class:`PeerError`.
     """
     method = method if method is not None else build_method(cfg)
-    env = dist_env.setup(cfg.backend, cfg.timeout_s)
+    try:
+        env = dist_env.setup(cfg.backend, cfg.timeout_s)
+    except RuntimeError as e:
+        if not _is_peer_failure(e):
+            raise
+        raise PeerError(f"could not form the process group of {os.environ.get('WORLD_SIZE')} "
+                        f"processes within --timeout-s {cfg.timeout_s:g}: {_gloo_text(e)}") from e
     try:
         return _train(cfg, env, method)
+    except RuntimeError as e:
+        if not env.distributed or isinstance(e, TrainingError | ckpt.CheckpointError) \
+                or not _is_peer_failure(e):
+            raise
+        raise PeerError(f"rank {env.rank} lost contact with the other processes ({_gloo_text(e)}); "
+                        "a peer crashed, was killed or froze: see its log") from e
     finally:
         dist_env.cleanup()
 
@@ -79,19 +124,27 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     run_dir = cfg.run_dir()
+    # First collective of the run, before anything whose collectives depend on the configuration
+    # (the download barrier, DDP): mismatched configurations fail here, by name, on every rank.
+    _check_config_agrees(cfg, env)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     task = build_task(cfg, env)
     model = task.model.to(env.device)
     method.setup(model, task.example_input(env.device), cfg)
     writer = MetricsWriter(run_dir, enabled=env.is_main)
-    resumed = ckpt.latest_checkpoint(run_dir) if cfg.resume else None
+    resumed = _find_resume_point(cfg, env, run_dir)
+    _check_agree(env, "the data or the checkpoint to resume", {
+        **_data_fingerprint(task),
+        "resume_from": None if resumed is None else resumed[1].name}, DataError)
 
     if resumed is not None:
         saved, path = resumed
-        _check_resumable(saved, cfg)
         method.restore(saved["method"], model)  # e.g. rebuild the factorized architecture
         _load_model(model, saved["model"], path)
-        writer.truncate(saved["epoch"] if saved["step_in_epoch"] == 0 else saved["epoch"] + 1)
+        # Rows of epochs completed before the checkpoint stay; a row of the epoch being redone
+        # (written just before a kill that beat the epoch-end checkpoint) goes.
+        with _signals_deferred():
+            writer.truncate(saved["epoch"])
     state = _prepare(cfg, model, env)
     if resumed is not None:
         state.optimizer.load_state_dict(saved["optimizer"])
@@ -102,11 +155,23 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
             state.scaler.load_state_dict(saved["scaler"])
         if state.hook_state is not None and saved.get("hook_states"):
             state.hook_state.load_state_dict(saved["hook_states"][env.rank])
+        # Per-rank progress within the epoch: this rank's own running loss (so the epoch's mean
+        # is summed in the same order as without the interruption) and the task's carried state.
+        rank_states = saved.get("rank_states") or []
+        mine = rank_states[env.rank] if env.rank < len(rank_states) else {}
+        if rank_states:  # (older checkpoints held rank 0's running loss in "extra")
+            state.extra.pop("partial", None)
+        if mine.get("partial"):
+            state.extra["partial"] = mine["partial"]
+        if mine.get("task"):
+            state.extra["task_state"] = mine["task"]
         state.last_checkpoint = path
         _say(env, f"resumed from {path} at epoch {state.epoch}, step {state.step_in_epoch}")
-    elif env.is_main:
+    if env.is_main:
+        # The effective configuration, also on resume (flags may have changed, e.g. --epochs), so
+        # that a later --resume continues this run as it is now; without the resume request.
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(dump_toml(cfg))
+        _write_text(run_dir / "config.toml", dump_toml(dataclasses.replace(cfg, resume="")))
     _say(env, "configuration:\n" + _indent(dump_toml(cfg)))
     _say(env, f"{cfg.model} on {cfg.data}, mode {cfg.mode}: {env.world_size} process(es), "
               f"backend {env.backend or 'none'}, device {env.device}, comm {cfg.comm}")
@@ -122,11 +187,12 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         row.update(task.evaluate(state.model, env))
         row.update(_model_figures(state, task))
         row.update(method.on_epoch_end(epoch, state.model))
-        writer.write(row)
+        with _signals_deferred():
+            writer.write(row)
         _say(env, _summary(row, total))
         state.epoch, state.step_in_epoch = epoch + 1, 0
         if (epoch + 1) % cfg.checkpoint_every_epochs == 0 or epoch + 1 == total:
-            _checkpoint(cfg, state, env, run_dir, method)
+            _checkpoint(cfg, state, env, run_dir, method, task)
     if env.is_main:
         _say(env, writer.final_table())
     return writer.rows
@@ -182,9 +248,9 @@ def _rebuild(cfg: TrainConfig, state: RunState, env: DistEnv, change: Change,
     state.extra.pop("macs", None)
     _say(env, change.text)
     if env.is_main:
-        (run_dir / f"{change.name}.txt").write_text(change.text + "\n")
-        (run_dir / f"{change.name}.json").write_text(json.dumps(change.record, indent=1,
-                                                                default=str))
+        _write_text(run_dir / f"{change.name}.txt", change.text + "\n")
+        _write_text(run_dir / f"{change.name}.json",
+                    json.dumps(change.record, indent=1, default=str))
 
 
 # -- one epoch ---------------------------------------------------------------------------------
@@ -196,11 +262,16 @@ def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, ru
     steps = len(loader)
     state.wrapped.train()
     task.start_epoch(state.epoch)
+    task_state = state.extra.pop("task_state", None)
+    if task_state:  # mid-epoch resume: e.g. the LSTM's hidden state carried across BPTT chunks
+        _load_task_state(task, task_state, env.device)
     amp = _autocast(cfg, env)
     # A mid-epoch resume continues the epoch's running loss where the checkpoint left it.
     partial = state.extra.pop("partial", None) or {"loss_sum": 0.0, "n_steps": 0}
     loss_sum = torch.tensor(partial["loss_sum"], dtype=torch.float64)
     n_steps, compute, data_wait = partial["n_steps"], 0.0, 0.0
+    skipped = partial.get("skipped", 0)  # steps whose update was skipped (--nonfinite skip)
+    local_steps = 0  # steps taken by this process in this epoch (the comm stats cover these)
     if state.hook_state is not None:
         state.hook_state.stats.reset()
     from tqdm import tqdm
@@ -220,6 +291,9 @@ def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, ru
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         batch = task.to_device(batch, env.device)
+        # Skipping a step must also undo what the forward pass itself changed: BatchNorm running
+        # statistics (a NaN batch would poison them for good) and the task's carried state.
+        undo = _snapshot(state.model, task) if cfg.nonfinite == "skip" else None
         with amp:
             loss = task.loss(state.wrapped, batch)
             if cfg.frobenius_decay > 0:
@@ -237,17 +311,31 @@ def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, ru
             loss.backward()
         if cfg.grad_clip > 0:
             nn.utils.clip_grad_norm_(state.model.parameters(), cfg.grad_clip)
-        if not math.isfinite(loss.item()):
-            raise TrainingError(
-                f"non-finite loss {loss.item()} at epoch {state.epoch}, step {i}; last good "
-                f"checkpoint: {state.last_checkpoint or 'none'}")
-        if state.scaler is not None:
+        grads = [p.grad for p in state.model.parameters() if p.grad is not None]
+        bad = _nonfinite_votes(loss, grads if state.scaler is None else [],
+                               list(state.model.buffers()), env)
+        if bad is not None:
+            if cfg.nonfinite == "stop":
+                raise TrainingError(
+                    f"non-finite {bad} at epoch {state.epoch}, step {i} (global step "
+                    f"{state.global_step}); last good checkpoint: "
+                    f"{state.last_checkpoint or 'none'}; lower --lr, set --grad-clip, or use "
+                    "--nonfinite skip")
+            state.optimizer.zero_grad(set_to_none=True)  # the step is skipped on every rank
+            if undo is not None:
+                undo()
+            if state.scaler is not None:
+                state.scaler.update()
+            skipped += 1
+        elif state.scaler is not None:
             state.scaler.step(state.optimizer)
             state.scaler.update()
         else:
             state.optimizer.step()
-        loss_sum += loss.detach().double().cpu()
-        n_steps += 1
+        if bad is None:
+            loss_sum += loss.detach().double().cpu()
+            n_steps += 1
+        local_steps += 1
         state.global_step += 1
         state.step_in_epoch = i + 1
         t0 = time.perf_counter()
@@ -257,22 +345,26 @@ def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, ru
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.3g}")
         if cfg.checkpoint_every_steps and state.global_step % cfg.checkpoint_every_steps == 0 \
                 and state.step_in_epoch < steps:
-            state.extra["partial"] = {"loss_sum": loss_sum.item(), "n_steps": n_steps}
-            _checkpoint(cfg, state, env, run_dir, method)
+            state.extra["partial"] = {"loss_sum": loss_sum.item(), "n_steps": n_steps,
+                                      "skipped": skipped}
+            _checkpoint(cfg, state, env, run_dir, method, task)
             state.extra.pop("partial")
     bar.close()
     epoch_time = time.perf_counter() - start
     total_loss, total_steps = dist_env.all_reduce_sum([loss_sum.item(), n_steps], env)
     row: dict[str, Any] = {
         "epoch": state.epoch + 1,
-        "train_loss": total_loss / max(1, total_steps),
+        # Mean over the steps that were applied (NaN if every step of the epoch was skipped).
+        "train_loss": total_loss / total_steps if total_steps else float("nan"),
+        "skipped_steps": skipped,
         "lr": lr_at(cfg, method.schedule_step(state.global_step - 1, steps), steps),
         "epoch_time": epoch_time,
         "compute_time": compute,
         "data_time": data_wait,
     }
     stats = state.hook_state.stats.snapshot() if state.hook_state is not None else {}
-    row["comm_bytes_per_step"] = stats.get("bytes_sent", 0.0) / max(1, n_steps)
+    # Per step this process took: after a mid-epoch resume the stats cover only those.
+    row["comm_bytes_per_step"] = stats.get("bytes_sent", 0.0) / max(1, local_steps)
     row["compress_time"] = stats.get("compress_time", 0.0)
     row["comm_time"] = stats.get("comm_time", 0.0)
     return row
@@ -283,7 +375,9 @@ def _inject_fault(global_step: int, env: DistEnv) -> None:
 
     ``PUFFERFISH_KILL_AT_STEP=N`` (and optionally ``PUFFERFISH_KILL_RANK``, default 0) arm it;
     ``PUFFERFISH_KILL_MARKER`` names a file created just before the kill, so that a restarted
-    worker is not killed again at the same step.
+    worker is not killed again at the same step. ``PUFFERFISH_KILL_SIGNAL=STOP`` freezes the
+    process instead (SIGSTOP): a peer that hangs without closing its sockets, the case only the
+    process-group timeout can catch.
     """
     at = os.environ.get("PUFFERFISH_KILL_AT_STEP")
     if at is None or int(at) != global_step or env.rank != int(os.environ.get("PUFFERFISH_KILL_RANK", 0)):
@@ -292,7 +386,7 @@ def _inject_fault(global_step: int, env: DistEnv) -> None:
     if marker.exists():
         return
     marker.write_text(str(global_step))
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("PUFFERFISH_KILL_SIGNAL", "KILL")))
 
 
 def _autocast(cfg: TrainConfig, env: DistEnv) -> contextlib.AbstractContextManager:
@@ -321,13 +415,30 @@ def _model_figures(state: RunState, task: Task) -> dict[str, Any]:
 # -- checkpoints -------------------------------------------------------------------------------
 
 def _checkpoint(cfg: TrainConfig, state: RunState, env: DistEnv, run_dir: Path,
-                method: Method) -> None:
-    hook_states = None
-    if state.hook_state is not None:
-        import torch.distributed as dist
+                method: Method, task: Task) -> None:
+    """Rank 0 writes the checkpoint; every rank learns whether it worked.
 
-        hook_states = [None] * env.world_size
-        dist.all_gather_object(hook_states, state.hook_state.state_dict())
+    Per-rank state (comm hook memory; mid-epoch, each rank's running loss and the task's carried
+    state such as the LSTM's hidden state) is all-gathered so one file resumes every rank exactly.
+    The outcome is broadcast instead
+    of a bare barrier, so a failed write (disk full, permissions) stops every rank at once with
+    rank 0's message, not rank 0 alone while the others wait out the timeout.
+    """
+    finite = _all_finite([*state.model.state_dict().values(), *_tensors(state.optimizer.state)])
+    if dist_env.all_reduce_sum([0.0 if finite else 1.0], env)[0]:
+        # The steps' losses and gradients were finite but the update overflowed the weights.
+        raise TrainingError(
+            f"non-finite parameters or optimizer state after epoch {state.epoch}, step "
+            f"{state.step_in_epoch} (global step {state.global_step}): not saved; last good "
+            f"checkpoint: {state.last_checkpoint or 'none'}; lower --lr or set --grad-clip")
+    hook_states = _gather(state.hook_state.state_dict() if state.hook_state is not None else None,
+                          env)
+    rank_state: dict[str, Any] = {}
+    if state.step_in_epoch:
+        rank_state["partial"] = state.extra.get("partial")
+        rank_state["task"] = _task_state(task)
+    rank_states = _gather(rank_state, env)
+    written = error = None
     if env.is_main:
         payload = {
             "model": state.model.state_dict(),
@@ -336,17 +447,222 @@ def _checkpoint(cfg: TrainConfig, state: RunState, env: DistEnv, run_dir: Path,
             "epoch": state.epoch,
             "step_in_epoch": state.step_in_epoch,
             "global_step": state.global_step,
+            "world_size": env.world_size,
             "method": method.state_dict(),
             "config": cfg.to_dict(),
-            "hook_states": hook_states or [],
-            "extra": {k: v for k, v in state.extra.items() if k == "partial"},
+            "hook_states": hook_states if state.hook_state is not None else [],
+            "rank_states": rank_states if any(rank_states) else [],
         }
-        state.last_checkpoint = ckpt.save_checkpoint(run_dir, payload, state.global_step,
-                                                     keep_last=cfg.keep_checkpoints)
-    if env.distributed:
-        import torch.distributed as dist
+        try:
+            with _signals_deferred():  # Ctrl-C / SIGTERM wait for the write (or its cleanup)
+                written = str(ckpt.save_checkpoint(run_dir, payload, state.global_step,
+                                                   keep_last=cfg.keep_checkpoints))
+        except ckpt.CheckpointError as e:
+            error = str(e)
+    # Also the barrier: nobody runs ahead of a checkpoint that is still being written.
+    written, error = dist_env.broadcast_object((written, error), env)
+    if error is not None:
+        raise ckpt.CheckpointError(error if env.is_main else f"rank 0 failed: {error}")
+    state.last_checkpoint = Path(written)  # every rank can name the last good checkpoint
 
-        dist.barrier()  # nobody runs ahead of a checkpoint that is still being written
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a nest of dicts and lists (the optimizer's state)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _gather(obj: Any, env: DistEnv) -> list[Any]:
+    """``obj`` of every rank, in rank order (``[obj]`` on one process)."""
+    if not env.distributed:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _task_state(task: Task) -> dict[str, Any]:
+    """What a task carries from step to step within an epoch (the LSTM's hidden state), on CPU."""
+    hidden = getattr(task, "hidden", None)
+    if hidden is None:
+        return {}
+    return {"hidden": [h.detach().cpu() for h in hidden]}
+
+
+def _load_task_state(task: Task, saved: dict[str, Any], device: torch.device) -> None:
+    if saved.get("hidden") is not None and hasattr(task, "hidden"):
+        task.hidden = tuple(h.to(device) for h in saved["hidden"])
+
+
+# -- start-up checks and the resume point ------------------------------------------------------
+
+def _check_config_agrees(cfg: TrainConfig, env: DistEnv) -> None:
+    """Every rank must run the same configuration; a difference is named on every rank.
+
+    Ranks first compare a hash (one small all-gather); only on a mismatch do they gather the
+    configurations themselves to name the differing keys. Runs before any other collective, so a
+    mismatch cannot turn into mismatched collectives (a deadlock or silently wrong training).
+    """
+    if not env.distributed:
+        return
+    record = {k: v for k, v in cfg.to_dict().items() if k not in PER_RANK_FIELDS}
+    # Different library versions on different nodes compute different things from the same
+    # configuration (kernels, defaults): part of what must agree.
+    record["torch_version"] = torch.__version__
+    record["python"] = ".".join(map(str, sys.version_info[:3]))
+    digest = hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
+    if len(set(_gather(digest, env))) > 1:
+        _check_agree(env, "the configuration", record, ConfigError)
+    _say(env, f"configuration {digest[:12]}: the same on all {env.world_size} ranks")
+
+
+def _check_agree(env: DistEnv, what: str, record: dict[str, Any],
+                 error: Callable[[str], Exception]) -> None:
+    """Gather ``record`` from every rank; raise ``error`` naming the keys that differ."""
+    if not env.distributed:
+        return
+    records = _gather(record, env)
+    keys = list(dict.fromkeys(k for r in records for k in r))
+    diffs = []
+    for key in keys:
+        values = [r.get(key) for r in records]
+        other = next((rank for rank, v in enumerate(values) if v != values[0]), None)
+        if other is not None:
+            diffs.append(f"{key} (rank 0: {_short(values[0])}, rank {other}: "
+                         f"{_short(values[other])})")
+    if diffs:
+        more = f"; and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+        raise error(f"ranks disagree on {what}: {'; '.join(diffs[:3])}{more}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _data_fingerprint(task: Task) -> dict[str, Any]:
+    """A cheap digest of the data each rank loaded: shapes, dtypes and sampled bytes.
+
+    Hashes the first and last examples and 64 evenly spaced ones of every split (and the
+    vocabulary of a corpus), so different files, subsets or tokenizations are caught in
+    milliseconds; a difference confined to unsampled examples is not (see docs/reliability.md).
+    """
+    source = getattr(task, "ds", None) or getattr(task, "corpus", None)
+    out: dict[str, Any] = {}
+    for name in ("train_images", "train_labels", "test_images", "test_labels",
+                 "train", "valid", "test"):
+        t = getattr(source, name, None)
+        if isinstance(t, torch.Tensor):
+            out[name] = _sample_digest(t)
+    vocab = getattr(source, "vocab", None)
+    if vocab is not None:
+        words = list(getattr(vocab, "idx2word", []))
+        out["vocab"] = hashlib.sha256(
+            "\n".join([str(len(words)), *words[:256], *words[-256:]]).encode()).hexdigest()[:16]
+    out["train_batches"] = len(task.train_loader)
+    return out
+
+
+def _sample_digest(t: torch.Tensor) -> str:
+    h = hashlib.sha256(f"{tuple(t.shape)} {t.dtype}".encode())
+    if t.numel():
+        rows = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(-1, 1)
+        n = rows.shape[0]
+        idx = torch.unique(torch.cat([torch.arange(min(n, 1024)), torch.arange(max(0, n - 1024), n),
+                                      torch.linspace(0, n - 1, min(n, 64)).long()]))
+        h.update(rows[idx].cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _restart_count() -> int:
+    """How often torchelastic has restarted this worker group (0: first attempt, or no torchrun)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def _find_resume_point(cfg: TrainConfig, env: DistEnv,
+                       run_dir: Path) -> tuple[dict[str, Any], Path] | None:
+    """The checkpoint to continue from, or None for a fresh start.
+
+    * ``--resume DIR``: the newest complete checkpoint of DIR; flags may change what does not
+      change the run (see :func:`_check_resumable`). With ``--out`` elsewhere the run continues
+      there (a fork); checkpoints already there are removed first.
+    * ``--resume auto``, or a torchelastic restart (``TORCHELASTIC_RESTART_COUNT`` > 0) without
+      ``--resume``: the newest complete checkpoint of ``--out`` if there is one, and it must be
+      of this very configuration (:data:`RUN_LOCAL_FIELDS` aside); otherwise a fresh start.
+    * Otherwise a fresh start, which removes the checkpoints of an earlier run in ``--out``: a
+      later resume must never pick up a checkpoint of another run (the metrics and config of
+      that run are replaced as well).
+    """
+    explicit = bool(cfg.resume) and cfg.resume != "auto"
+    auto = cfg.resume == "auto" or (not cfg.resume and _restart_count() > 0)
+    source = Path(cfg.resume) if explicit else run_dir
+    found = _latest_checkpoint(source, env) if explicit or auto else None
+    if found is None and (explicit or auto):
+        _say(env, f"no complete checkpoint in {source}: starting from the beginning")
+    if env.is_main and (found is None or source.resolve() != run_dir.resolve()):
+        _remove_checkpoints(run_dir)
+    if found is None:
+        return None
+    saved, path = found
+    if explicit:
+        _check_resumable(saved, cfg)
+    else:
+        # Keys the checkpoint does not know (written before a field was added) are not compared.
+        current = {k: v for k, v in cfg.to_dict().items()
+                   if k not in RUN_LOCAL_FIELDS and k in saved["config"]}
+        try:
+            ckpt.verify_compatible({k: saved["config"][k] for k in current}, current,
+                                   what="configuration")
+        except ckpt.CheckpointError as e:
+            raise ckpt.CheckpointError(
+                f"{e} (automatic resume from {run_dir}: to continue that run with changed flags "
+                f"use --resume {run_dir}, to start a new one use another --out)") from None
+    hook_states = saved.get("hook_states") or []
+    if any(hook_states) and len(hook_states) != env.world_size:
+        raise ckpt.CheckpointError(
+            f"{path} was written by {len(hook_states)} processes, this run has "
+            f"{env.world_size}: the per-rank memory of comm hook {cfg.comm!r} cannot be "
+            "redistributed; resume with the same number of processes")
+    return found
+
+
+def _latest_checkpoint(run_dir: Path, env: DistEnv) -> tuple[dict[str, Any], Path] | None:
+    """:func:`ckpt.latest_checkpoint`, its skip warnings as one line each on rank 0."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ckpt.CheckpointWarning)
+        found = ckpt.latest_checkpoint(run_dir)
+    for w in caught:
+        if issubclass(w.category, ckpt.CheckpointWarning):
+            if env.is_main:
+                print(f"pufferfish: warning: {w.message}", flush=True)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return found
+
+
+def _remove_checkpoints(run_dir: Path) -> None:
+    directory = run_dir / ckpt.CHECKPOINT_SUBDIR
+    if not directory.is_dir():
+        return
+    names = re.compile(r"^(ckpt-\d{9,}\.(pt|json)|\.ckpt-\d{9,}\.(pt|json)\..*\.tmp)$")
+    removed = 0
+    for entry in directory.iterdir():
+        if names.match(entry.name):
+            entry.unlink(missing_ok=True)
+            removed += entry.suffix == ".pt"
+    if removed:
+        print(f"starting a new run in {run_dir}: removed {removed} checkpoint(s) of an earlier "
+              "run there", flush=True)
 
 
 def _check_resumable(saved: dict[str, Any], cfg: TrainConfig) -> None:
@@ -369,6 +685,102 @@ def _load_model(model: nn.Module, weights: dict[str, torch.Tensor], path: Path) 
                                     ("different shape", shapes)) if keys]
         raise ckpt.CheckpointError(f"checkpoint {path} does not fit this model ({'; '.join(parts)})")
     model.load_state_dict(weights)
+
+
+# -- failures, signals and files ---------------------------------------------------------------
+
+_PEER_FAILURE = re.compile(r"Connection (closed|reset)|[Tt]imed out|timeout|Broken pipe|"
+                           r"[Ss]ocket|peer|[Gg]loo|NCCL|[Ww]atchdog")
+
+
+def _is_peer_failure(e: BaseException) -> bool:
+    """A failure of the process group (peer gone or frozen), not of this process's work."""
+    import torch.distributed as dist
+
+    return isinstance(e, dist.DistError) or bool(_PEER_FAILURE.search(str(e)))
+
+
+def _gloo_text(e: BaseException) -> str:
+    """The first line of a c10d/gloo error without its source-file prefix."""
+    lines = str(e).strip().splitlines()
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", lines[0] if lines else type(e).__name__)
+    text = text.split(". This is typically")[0]
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _snapshot(model: nn.Module, task: Task) -> Callable[[], None]:
+    """A function that restores the model's buffers and the task's carried state as they are now."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    hidden = getattr(task, "hidden", None)
+
+    def restore() -> None:
+        with torch.no_grad():
+            for live, saved in buffers:
+                live.copy_(saved)
+        if hasattr(task, "hidden"):
+            task.hidden = hidden
+
+    return restore
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element is finite; the max-abs norm is exact (a 2-norm of huge but finite
+    values overflows to inf) and propagates NaN."""
+    tensors = [t for t in tensors if t.is_floating_point()]
+    return not tensors or math.isfinite(nn.utils.get_total_norm(tensors, math.inf).item())
+
+
+def _nonfinite_votes(loss: torch.Tensor, grads: list[torch.Tensor],
+                     buffers: list[torch.Tensor], env: DistEnv) -> str | None:
+    """What is non-finite on any rank (None: nothing); the same answer on every rank.
+
+    Each rank votes on its loss, its gradients and its buffers (the forward pass has just updated
+    the BatchNorm statistics: a batch can overflow them while the loss is still finite), and the
+    votes are summed over ranks, so a NaN on one rank stops (or skips the step on) all of them
+    together: a rank that stopped alone would leave the others waiting in the next collective.
+    """
+    votes = [0.0 if math.isfinite(loss.item()) else 1.0, 0.0 if _all_finite(grads) else 1.0,
+             0.0 if _all_finite(buffers) else 1.0]
+    votes = dist_env.all_reduce_sum(votes, env)
+    if not any(votes):
+        return None
+    names = (f"loss {loss.item()}" if not env.distributed else "loss", "gradient",
+             "buffers (BatchNorm statistics)")
+    return " and ".join(
+        name + (f" on {int(v)} of {env.world_size} ranks" if env.distributed else "")
+        for name, v in zip(names, votes) if v)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM for the duration of a file write, then deliver them.
+
+    The writes are atomic anyway (temp file + rename), so an interrupt could never leave half a
+    file; deferring it means Ctrl-C or torchrun's SIGTERM also does not throw away a checkpoint
+    that was a moment from complete. Only the main thread can install handlers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _frame: received.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(received):
+            signal.raise_signal(s)
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write a small run-directory file atomically: a kill leaves the old file or the new one."""
+    def write(f: Any) -> None:
+        f.write(text.encode())
+
+    with _signals_deferred():
+        ckpt._atomic_write(path, write)
 
 
 # -- output ------------------------------------------------------------------------------------

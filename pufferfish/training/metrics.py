@@ -79,6 +79,18 @@ def _fmt(column: str, value: Any) -> str:
 
 
 def _atomic_write(path: Path, text: str) -> None:
+    """Temp file + fsync + rename: readers (and a resumed run) see the old file or the new one.
+
+    The temp file is removed if the write fails (disk full, Ctrl-C), so nothing half-written is
+    left behind under any name.
+    """
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -100,7 +100,8 @@ class LanguageTask:
     """Word-level LM: the stream is cut into ``batch_size`` columns per rank and BPTT chunks.
 
     The LSTM's hidden state is carried from chunk to chunk (detached) within an epoch and reset at
-    each epoch start and at a mid-epoch resume point.
+    each epoch start; a mid-epoch checkpoint saves it (the loop reads ``hidden``), so a resume
+    continues it.
     """
 
     eval_columns = 10  # the classic word-language-model evaluation batch

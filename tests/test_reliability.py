@@ -1,0 +1,438 @@
+"""Reliability and security, end to end with real processes (docs/reliability.md).
+
+Elastic restarts give bitwise the same final state as an uninterrupted run; ranks that disagree
+on configuration or data stop together by name; a peer that dies or freezes is an error within the
+process-group timeout, not a hung job; a diverging run stops (or skips steps) on every rank at
+the same step; bad input of every kind is one line and exit status 2; a malicious checkpoint is
+refused without running anything.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_training import free_port, metrics, needs_fashion, run_cli
+
+from pufferfish.cli import main
+from pufferfish.config import TrainConfig, dump_toml
+from pufferfish.training import checkpoint as ck
+from pufferfish.training.checkpoint import latest_checkpoint, save_checkpoint
+
+SMALL = ["--model", "resnet18", "--width", "0.125", "--test-subset", "64", "--batch-size", "32",
+         "--threads", "1", "--no-progress"]
+# 256 examples, 32 per process and 2 processes: 4 steps per epoch; the switch is at global step 4.
+ELASTIC = [*SMALL, "--train-subset", "256", "--lr", "0.05", "--epochs", "2", "--warmup-epochs",
+           "1", "--checkpoint-every-steps", "2", "--comm", "topk", "--topk-ratio", "0.1"]
+TIMES = {"epoch_time", "compute_time", "data_time", "comm_time", "compress_time"}
+
+
+def launch(rank: int, world: int, port: int, args: list[str],
+           env: dict[str, str] | None = None) -> subprocess.Popen:
+    """One ``pufferfish train`` process of a group, started by hand (no torchrun, no restarts)."""
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank),
+            "LOCAL_RANK": str(rank), **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "pufferfish", "train", *args], env=full,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"process hung:\n{err[-3000:]}")
+    return proc.returncode, out, err
+
+
+# -- elastic restarts ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("elastic") / "ref"
+    result = run_cli("train", *ELASTIC, "--out", str(out), torchrun=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@needs_fashion
+@pytest.mark.parametrize("kill_step,resume_from", [
+    (3, "ckpt-000000002.pt"),  # mid-epoch 0, before the switch: resumes full-rank
+    (7, "ckpt-000000006.pt"),  # mid-epoch 1, after the switch: resumes the factorized model
+])
+def test_elastic_restart_gives_the_same_final_state(uninterrupted: Path, tmp_path: Path,
+                                                    kill_step: int, resume_from: str) -> None:
+    """A SIGKILLed worker under ``torchrun --max-restarts 1``: the group restarts and resumes.
+
+    Uses the top-k comm hook, whose per-rank residual memory must travel through the checkpoint
+    (all-gathered) for the resumed run to be exact.
+    """
+    run, marker = tmp_path / "run", tmp_path / "killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--max-restarts", "1", "--master-port", str(free_port()),
+           "-m", "pufferfish", "train", *ELASTIC, "--out", str(run)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PUFFERFISH_KILL_AT_STEP": str(kill_step),
+           "PUFFERFISH_KILL_RANK": "1", "PUFFERFISH_KILL_MARKER": str(marker)}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert marker.exists(), "the fault was not injected"
+    assert f"resumed from {run / 'checkpoints' / resume_from}" in result.stdout
+
+    ref, got = latest_checkpoint(uninterrupted), latest_checkpoint(run)
+    assert ref is not None and got is not None
+    (a, pa), (b, pb) = ref, got
+    assert pa.name == pb.name == "ckpt-000000008.pt"
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:  # parameters and buffers (BatchNorm statistics)
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    for i, s in a["optimizer"]["state"].items():
+        assert torch.equal(s["momentum_buffer"], b["optimizer"]["state"][i]["momentum_buffer"])
+    for ha, hb in zip(a["hook_states"], b["hook_states"], strict=True):  # top-k residuals
+        for key, t in ha["residual"].items():
+            assert torch.equal(t, hb["residual"][key])
+    assert a["method"] == b["method"]
+    ra, rb = metrics(uninterrupted), metrics(run)
+    assert [r["epoch"] for r in rb] == [1, 2]
+    for x, y in zip(ra, rb, strict=True):
+        assert {k: v for k, v in x.items() if k not in TIMES} == \
+            {k: v for k, v in y.items() if k not in TIMES}
+
+
+def test_lstm_mid_epoch_resume_carries_the_hidden_state(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The LSTM's hidden state crosses BPTT chunks; a mid-epoch checkpoint must carry it."""
+    import random
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(50)]
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(" ".join(rng.choices(words, k=12)) for _ in range(200)) + "\n")
+    args = ["--model", "lstm", "--width", "0.02", "--data", str(text), "--batch-size", "4",
+            "--bptt", "10", "--epochs", "1", "--mode", "full", "--lr", "1", "--threads", "1",
+            "--no-progress", "--checkpoint-every-steps", "4"]
+    ref, run, marker = tmp_path / "ref", tmp_path / "run", tmp_path / "killed"
+    assert cli(["train", *args, "--out", str(ref)], capsys)[0] == 0
+    killed = run_cli("train", *args, "--out", str(run), env={
+        "PUFFERFISH_KILL_AT_STEP": "10", "PUFFERFISH_KILL_MARKER": str(marker)})
+    assert killed.returncode == -9 and marker.exists()
+    code, out, err = cli(["train", *args, "--out", str(run), "--resume", "auto"], capsys)
+    assert code == 0, err
+    assert f"resumed from {run / 'checkpoints' / 'ckpt-000000008.pt'}" in out
+    a, b = latest_checkpoint(ref), latest_checkpoint(run)
+    assert a is not None and b is not None
+    for key, t in a[0]["model"].items():
+        assert torch.equal(t, b[0]["model"][key]), key
+    assert metrics(ref)[0]["train_loss"] == metrics(run)[0]["train_loss"]
+
+
+# -- ranks must agree ------------------------------------------------------------------------
+
+@needs_fashion
+def test_mismatched_configs_stop_every_rank_by_name(tmp_path: Path) -> None:
+    port = free_port()
+    common = [*SMALL, "--train-subset", "128", "--epochs", "1", "--warmup-epochs", "0",
+              "--timeout-s", "20",
+              "--out", str(tmp_path / "run")]
+    started = time.monotonic()
+    procs = [launch(r, 2, port, [*common, "--lr", lr]) for r, lr in enumerate(["0.05", "0.1"])]
+    results = [finish(p) for p in procs]
+    for code, _, err in results:
+        assert code == 2, err[-2000:]
+        assert "ranks disagree on the configuration: lr (rank 0: 0.05, rank 1: 0.1)" in err
+        assert len(err.strip().splitlines()) == 1
+    assert time.monotonic() - started < 120
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _write_idx(path: Path, magic: int, dims: list[int], payload: bytes) -> None:
+    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in dims)
+    with gzip.open(path, "wb") as f:
+        f.write(header + payload)
+
+
+def fake_fashion(directory: Path, n: int = 64, seed: int = 0, **broken: Any) -> Path:
+    """A tiny Fashion-MNIST look-alike; ``broken`` overrides one file's magic/dims/payload."""
+    directory.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    for prefix in ("train", "t10k"):
+        images = torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=g)
+        labels = torch.randint(0, 10, (n,), dtype=torch.uint8, generator=g)
+        spec = {f"{prefix}-images-idx3-ubyte.gz": (2051, [n, 28, 28], images.numpy().tobytes()),
+                f"{prefix}-labels-idx1-ubyte.gz": (2049, [n], labels.numpy().tobytes())}
+        for name, (magic, dims, payload) in spec.items():
+            if broken.get("file") == name:
+                magic = broken.get("magic", magic)
+                dims = broken.get("dims", dims)
+                payload = broken.get("payload", payload)
+            _write_idx(directory / name, magic, dims, payload)
+    return directory
+
+
+def test_mismatched_data_stops_every_rank_by_name(tmp_path: Path) -> None:
+    """``data_dir`` may differ per node; what it holds may not."""
+    port = free_port()
+    common = [*SMALL, "--batch-size", "16", "--train-subset", "64", "--test-subset", "16",
+              "--epochs", "1", "--warmup-epochs", "0", "--timeout-s", "20",
+              "--out", str(tmp_path / "run")]
+    dirs = [fake_fashion(tmp_path / "d0", seed=0), fake_fashion(tmp_path / "d1", seed=1)]
+    procs = [launch(r, 2, port, [*common, "--data-dir", str(d)]) for r, d in enumerate(dirs)]
+    for code, _, err in (finish(p) for p in procs):
+        assert code == 2, err[-2000:]
+        assert "ranks disagree on the data or the checkpoint to resume: train_images (rank 0:" in err
+        assert len(err.strip().splitlines()) == 1
+
+
+# -- no endless hangs ------------------------------------------------------------------------
+
+@needs_fashion
+@pytest.mark.parametrize("how", ["KILL", "STOP"])  # crashed (sockets close) / frozen (they don't)
+def test_a_vanished_peer_is_an_error_within_the_timeout(tmp_path: Path, how: str) -> None:
+    timeout_s = 10
+    port, marker = free_port(), tmp_path / "fault"
+    args = [*SMALL, "--train-subset", "128", "--epochs", "2", "--warmup-epochs", "1",
+            "--timeout-s", str(timeout_s), "--out", str(tmp_path / "run")]
+    fault = {"PUFFERFISH_KILL_AT_STEP": "1", "PUFFERFISH_KILL_RANK": "1",
+             "PUFFERFISH_KILL_MARKER": str(marker), "PUFFERFISH_KILL_SIGNAL": how}
+    survivor = launch(0, 2, port, args)
+    victim = launch(1, 2, port, args, env=fault)
+    try:
+        code, _, err = finish(survivor, timeout=240)
+        ended = time.time()
+    finally:
+        victim.kill()  # SIGKILL also ends a stopped process
+        victim.communicate()
+    assert marker.exists(), err[-2000:]
+    assert code == 1, err[-2000:]
+    assert "lost contact with the other processes" in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert ended - marker.stat().st_mtime < timeout_s + 20
+
+
+# -- divergence ------------------------------------------------------------------------------
+
+@needs_fashion
+def test_nonfinite_stop_names_the_step_on_every_rank(tmp_path: Path) -> None:
+    port, run = free_port(), tmp_path / "run"
+    args = [*SMALL, "--train-subset", "128", "--epochs", "2", "--warmup-epochs", "1",
+            "--lr", "1e6", "--checkpoint-every-steps", "1", "--timeout-s", "30", "--out", str(run)]
+    procs = [launch(r, 2, port, args) for r in range(2)]
+    errors = []
+    for code, _, err in (finish(p) for p in procs):
+        assert code == 2, err[-2000:]
+        assert len(err.strip().splitlines()) == 1, err
+        errors.append(err.strip())
+    assert errors[0] == errors[1]  # the same decision, at the same step, on both ranks
+    assert "pufferfish: error: non-finite " in errors[0] and " of 2 ranks at epoch " in errors[0]
+    good = errors[0].split("last good checkpoint: ")[1].split(";")[0]
+    state = ck.load_checkpoint(good)
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+@needs_fashion
+def test_nonfinite_skip_skips_and_counts(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    result = run_cli("train", *SMALL, "--mode", "full", "--train-subset", "128", "--epochs", "1",
+                     "--lr", "1e6", "--nonfinite", "skip", "--out", str(run))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics(run)
+    assert 0 < rows[0]["skipped_steps"] <= 4
+    found = latest_checkpoint(run)
+    assert found is not None
+    for key, t in found[0]["model"].items():  # BatchNorm statistics too: the skip undid them
+        assert torch.isfinite(t.float()).all(), key
+
+
+# -- malicious checkpoints -------------------------------------------------------------------
+
+class _Payload:
+    """Unpickling this runs ``touch <path>``: what a malicious checkpoint would do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.path}",))
+
+
+def _run_dir(tmp_path: Path, **overrides: Any) -> tuple[Path, TrainConfig]:
+    run = tmp_path / "run"
+    cfg = TrainConfig(model="resnet18", width=0.125, train_subset=64, test_subset=16,
+                      batch_size=32, epochs=1, warmup_epochs="0", threads=1, progress=False,
+                      out=str(run), **overrides)
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.toml").write_text(dump_toml(cfg))
+    return run, cfg
+
+
+def _plant(run: Path, step: int, obj: Any) -> Path:
+    """Write ``obj`` as checkpoint ``step`` with a *matching* manifest (checksums pass)."""
+    pt = run / "checkpoints" / f"ckpt-{step:09d}.pt"
+    torch.save(obj, pt)
+    data = pt.read_bytes()
+    import hashlib
+
+    pt.with_suffix(".json").write_text(json.dumps({
+        "format": ck.MANIFEST_FORMAT, "version": ck.MANIFEST_VERSION, "file": pt.name,
+        "step": step, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+    return pt
+
+
+def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``pufferfish ARGV`` in this process: (exit status, stdout, stderr)."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = int(e.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@needs_fashion
+def test_malicious_checkpoint_is_refused_and_not_executed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run, _ = _run_dir(tmp_path)
+    evidence = tmp_path / "pwned"
+    _plant(run, 4, {"model": _Payload(evidence), "epoch": 1})
+    assert pickle.loads(pickle.dumps(_Payload(tmp_path / "probe"))) == 0  # the payload is live
+    assert (tmp_path / "probe").exists()
+    code, _, err = cli(["train", "--resume", str(run)], capsys)
+    assert code == 2
+    assert "is not a plain-weights checkpoint (refused by weights_only loading; not executed)" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not evidence.exists()
+    # It is refused, not skipped: the run does not quietly start over.
+    assert (run / "checkpoints" / "ckpt-000000004.pt").exists()
+    assert not (run / "metrics.jsonl").exists()
+
+
+# -- bad input: one line, exit status 2 ------------------------------------------------------
+
+def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
+    empty = tmp / "empty.txt"
+    empty.write_text("  \n\n")
+    bad_toml = tmp / "bad.toml"
+    bad_toml.write_text("epochs = [\n")
+    unknown_key = tmp / "unknown.toml"
+    unknown_key.write_text("epocs = 3\n")
+    data = {
+        "truncated": fake_fashion(tmp / "truncated", file="t10k-images-idx3-ubyte.gz",
+                                  payload=bytes(100)),
+        "magic": fake_fashion(tmp / "magic", file="train-labels-idx1-ubyte.gz", magic=2051),
+        "shape": fake_fashion(tmp / "shape", file="train-images-idx3-ubyte.gz",
+                              dims=[64, 32, 32], payload=bytes(64 * 32 * 32)),
+    }
+    tiny = [*SMALL, "--train-subset", "64", "--test-subset", "16", "--epochs", "1",
+            "--warmup-epochs", "0", "--out", str(tmp / "never")]
+    return [
+        # flags
+        (["train", "--lrr", "0.1"], "unrecognized arguments: --lrr 0.1 (did you mean --lr?)"),
+        (["train", "--epoch", "3"], "unrecognized arguments: --epoch 3 (did you mean --epochs?)"),
+        (["trian"], "invalid choice: 'trian'"),
+        (["trian"], "(did you mean 'train'?)"),
+        (["train", "--epochs"], "argument --epochs: expected one argument"),
+        ([], "missing COMMAND"),
+        (["train", *tiny, "--epochs", "two"], "epochs 'two' is invalid: allowed a int"),
+        (["train", *tiny, "--nonfinite", "ignore"],
+         "nonfinite 'ignore' is invalid: allowed stop, skip"),
+        (["train", *tiny, "--lr", "-1"], "lr -1.0 is invalid: allowed a number > 0"),
+        # config files
+        (["train", "--config", str(unknown_key)],
+         "unknown configuration key 'epocs' (did you mean 'epochs'?)"),
+        (["train", "--config", str(bad_toml)], "is not valid TOML"),
+        (["train", "--config", str(tmp / "missing.toml")], "missing.toml' does not exist"),
+        # data files
+        (["train", *tiny, "--data-dir", str(data["truncated"])], "t10k-images-idx3-ubyte.gz"),
+        (["train", *tiny, "--data-dir", str(data["magic"])], "wrong IDX magic number 2051"),
+        (["train", *tiny, "--data-dir", str(data["shape"])], "expected 28×28"),
+        (["train", *tiny, "--data-dir", str(tmp / "nowhere")], "nowhere"),
+        # text corpora
+        (["train", *tiny, "--model", "lstm", "--data", str(empty)], "empty text corpus"),
+        (["train", *tiny, "--model", "lstm", "--data", str(tmp / "none.txt")],
+         "unknown dataset"),
+        # run directories
+        (["train", "--resume", str(tmp / "not-a-run")], "no config.toml there, not a run"),
+    ]
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Table-driven, in this process (each case would otherwise pay torch's import time)."""
+    failures = []
+    for argv, message in _bad_inputs(tmp_path):
+        code, _, err = cli(argv, capsys)
+        lines = err.strip().splitlines()
+        ok = (code == 2 and len(lines) == 1 and lines[0].startswith("pufferfish: error: ")
+              and message in lines[0])
+        if not ok:
+            failures.append(f"{argv}: exit {code}, stderr {err!r}; expected {message!r}")
+    assert not failures, "\n".join(failures)
+    assert not (tmp_path / "never").exists()
+
+
+@needs_fashion
+def test_resume_of_a_different_run_names_the_key(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    run, cfg = _run_dir(tmp_path)
+    other = TrainConfig(**{**cfg.to_dict(), "width": 0.25})
+    save_checkpoint(run, {"config": other.to_dict(), "model": {}, "epoch": 1}, 4)
+    code, _, err = cli(["train", "--resume", str(run)], capsys)
+    assert code == 2
+    assert "configuration mismatch between checkpoint and this run: width: checkpoint has " \
+           "0.25, this run has 0.125" in err
+    # An automatic resume (torchelastic restart / --resume auto) refuses any difference of
+    # substance, naming it, and points at --resume DIR for deliberate changes.
+    code, _, err = cli(["train", "--config", str(run / "config.toml"), "--resume", "auto",
+                     "--lr", "0.01"], capsys)
+    assert code == 2
+    assert "lr: checkpoint has 0.1, this run has 0.01" in err and f"--resume {run}" in err
+
+
+def test_argparse_error_is_one_line_in_a_real_process() -> None:
+    result = run_cli("train", "--batch-sise", "8")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("pufferfish: error: unrecognized arguments: --batch-sise 8 "
+                                     "(did you mean --batch-size?)")
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    result = run_cli("train", "--config", str(tmp_path / "missing.toml"), "--debug")
+    assert result.returncode == 1 and "Traceback" in result.stderr
+    assert "does not exist" in result.stderr
+
+
+# -- files are whole or absent ---------------------------------------------------------------
+
+def test_interrupt_during_a_checkpoint_write_is_deferred(tmp_path: Path) -> None:
+    """SIGINT while a checkpoint is written: the write completes, then KeyboardInterrupt."""
+    from pufferfish.training.loop import _signals_deferred
+
+    big = {"w": torch.zeros(2_000_000)}
+    with pytest.raises(KeyboardInterrupt), _signals_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        save_checkpoint(tmp_path, big, 1)
+    found = latest_checkpoint(tmp_path)
+    assert found is not None and torch.equal(found[0]["w"], big["w"])
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_fresh_run_removes_an_earlier_runs_checkpoints(tmp_path: Path) -> None:
+    """Otherwise a later resume could continue a checkpoint of the earlier run."""
+    from pufferfish.training.loop import _remove_checkpoints
+
+    save_checkpoint(tmp_path, {"x": 1}, 100)
+    (tmp_path / "checkpoints" / "notes.txt").write_text("mine")
+    _remove_checkpoints(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["notes.txt"]
