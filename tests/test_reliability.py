@@ -430,7 +430,7 @@ def test_interrupt_during_a_checkpoint_write_is_deferred(tmp_path: Path) -> None
 
 def test_fresh_run_removes_an_earlier_runs_checkpoints(tmp_path: Path) -> None:
     """Otherwise a later resume could continue a checkpoint of the earlier run."""
-    from pufferfish.training.loop import _remove_checkpoints
+    from pufferfish.training.startup import _remove_checkpoints
 
     save_checkpoint(tmp_path, {"x": 1}, 100)
     (tmp_path / "checkpoints" / "notes.txt").write_text("mine")

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["DistEnv", "all_reduce_sum", "broadcast_object", "cleanup", "setup", "wrap_ddp"]
+__all__ = ["DistEnv", "all_reduce_sum", "broadcast_object", "cleanup", "gather_object", "say", "setup",
+           "wrap_ddp"]
 
 
 @dataclass(frozen=True)
@@ -125,3 +126,18 @@ def broadcast_object(obj: Any, env: DistEnv) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather_object(obj: Any, env: DistEnv) -> list[Any]:
+    """``obj`` of every rank, in rank order (``[obj]`` on one process)."""
+    if not env.distributed:
+        return [obj]
+    out: list[Any] = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def say(env: DistEnv, text: str) -> None:
+    """Print on rank 0 only (every rank runs the same code; one copy of each line is enough)."""
+    if env.is_main:
+        print(text, flush=True)

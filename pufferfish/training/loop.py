@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import os
 import re
 import signal
-import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,13 +37,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError, TrainConfig, dump_toml
+from ..config import TrainConfig, dump_toml
 from ..data import DataError
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 from ..lowrank import count_macs
 from ..lowrank.base import LowRankModule
 from . import checkpoint as ckpt
+from . import startup
 from .method import Change, Method
 from .methods import build_method
 from .metrics import MetricsWriter
@@ -68,14 +66,6 @@ class PeerError(RuntimeError):
     """
 
 
-# Fields that may legitimately differ between ranks: node-local paths, per-process CPU threads,
-# and rank 0's progress bar. Everything else must be identical or the replicas train different
-# things (or deadlock in mismatched collectives).
-PER_RANK_FIELDS = ("data_dir", "threads", "progress")
-# Fields that do not change what is computed, so an automatic resume (torchelastic restart or
-# ``--resume auto``) may find them changed; any other difference means the run directory holds a
-# different run, which is refused rather than silently continued.
-RUN_LOCAL_FIELDS = (*PER_RANK_FIELDS, "resume", "download", "timeout_s", "keep_checkpoints")
 
 
 @dataclass
@@ -126,21 +116,21 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     run_dir = cfg.run_dir()
     # First collective of the run, before anything whose collectives depend on the configuration
     # (the download barrier, DDP): mismatched configurations fail here, by name, on every rank.
-    _check_config_agrees(cfg, env)
+    startup.check_config_agrees(cfg, env)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     task = build_task(cfg, env)
     model = task.model.to(env.device)
     method.setup(model, task.example_input(env.device), cfg)
     writer = MetricsWriter(run_dir, enabled=env.is_main)
-    resumed = _find_resume_point(cfg, env, run_dir)
-    _check_agree(env, "the data or the checkpoint to resume", {
-        **_data_fingerprint(task),
+    resumed = startup.find_resume_point(cfg, env, run_dir)
+    startup.check_agree(env, "the data or the checkpoint to resume", {
+        **startup.data_fingerprint(task),
         "resume_from": None if resumed is None else resumed[1].name}, DataError)
 
     if resumed is not None:
         saved, path = resumed
         method.restore(saved["method"], model)  # e.g. rebuild the factorized architecture
-        _load_model(model, saved["model"], path)
+        startup.load_model(model, saved["model"], path)
         # Rows of epochs completed before the checkpoint stay; a row of the epoch being redone
         # (written just before a kill that beat the epoch-end checkpoint) goes.
         with _signals_deferred():
@@ -166,14 +156,14 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         if mine.get("task"):
             state.extra["task_state"] = mine["task"]
         state.last_checkpoint = path
-        _say(env, f"resumed from {path} at epoch {state.epoch}, step {state.step_in_epoch}")
+        dist_env.say(env, f"resumed from {path} at epoch {state.epoch}, step {state.step_in_epoch}")
     if env.is_main:
         # The effective configuration, also on resume (flags may have changed, e.g. --epochs), so
         # that a later --resume continues this run as it is now; without the resume request.
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_text(run_dir / "config.toml", dump_toml(dataclasses.replace(cfg, resume="")))
-    _say(env, "configuration:\n" + _indent(dump_toml(cfg)))
-    _say(env, f"{cfg.model} on {cfg.data}, mode {cfg.mode}: {env.world_size} process(es), "
+    dist_env.say(env, "configuration:\n" + _indent(dump_toml(cfg)))
+    dist_env.say(env, f"{cfg.model} on {cfg.data}, mode {cfg.mode}: {env.world_size} process(es), "
               f"backend {env.backend or 'none'}, device {env.device}, comm {cfg.comm}")
 
     total = method.total_epochs(cfg)
@@ -189,12 +179,12 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         row.update(method.on_epoch_end(epoch, state.model))
         with _signals_deferred():
             writer.write(row)
-        _say(env, _summary(row, total))
+        dist_env.say(env, _summary(row, total))
         state.epoch, state.step_in_epoch = epoch + 1, 0
         if (epoch + 1) % cfg.checkpoint_every_epochs == 0 or epoch + 1 == total:
             _checkpoint(cfg, state, env, run_dir, method, task)
     if env.is_main:
-        _say(env, writer.final_table())
+        dist_env.say(env, writer.final_table())
     return writer.rows
 
 
@@ -246,7 +236,7 @@ def _rebuild(cfg: TrainConfig, state: RunState, env: DistEnv, change: Change,
     fresh = _prepare(cfg, state.model, env)
     state.optimizer, state.wrapped, state.hook_state = fresh.optimizer, fresh.wrapped, fresh.hook_state
     state.extra.pop("macs", None)
-    _say(env, change.text)
+    dist_env.say(env, change.text)
     if env.is_main:
         _write_text(run_dir / f"{change.name}.txt", change.text + "\n")
         _write_text(run_dir / f"{change.name}.json",
@@ -431,13 +421,13 @@ def _checkpoint(cfg: TrainConfig, state: RunState, env: DistEnv, run_dir: Path,
             f"non-finite parameters or optimizer state after epoch {state.epoch}, step "
             f"{state.step_in_epoch} (global step {state.global_step}): not saved; last good "
             f"checkpoint: {state.last_checkpoint or 'none'}; lower --lr or set --grad-clip")
-    hook_states = _gather(state.hook_state.state_dict() if state.hook_state is not None else None,
+    hook_states = dist_env.gather_object(state.hook_state.state_dict() if state.hook_state is not None else None,
                           env)
     rank_state: dict[str, Any] = {}
     if state.step_in_epoch:
         rank_state["partial"] = state.extra.get("partial")
         rank_state["task"] = _task_state(task)
-    rank_states = _gather(rank_state, env)
+    rank_states = dist_env.gather_object(rank_state, env)
     written = error = None
     if env.is_main:
         payload = {
@@ -477,17 +467,6 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def _gather(obj: Any, env: DistEnv) -> list[Any]:
-    """``obj`` of every rank, in rank order (``[obj]`` on one process)."""
-    if not env.distributed:
-        return [obj]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * env.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _task_state(task: Task) -> dict[str, Any]:
     """What a task carries from step to step within an epoch (the LSTM's hidden state), on CPU."""
     hidden = getattr(task, "hidden", None)
@@ -499,192 +478,6 @@ def _task_state(task: Task) -> dict[str, Any]:
 def _load_task_state(task: Task, saved: dict[str, Any], device: torch.device) -> None:
     if saved.get("hidden") is not None and hasattr(task, "hidden"):
         task.hidden = tuple(h.to(device) for h in saved["hidden"])
-
-
-# -- start-up checks and the resume point ------------------------------------------------------
-
-def _check_config_agrees(cfg: TrainConfig, env: DistEnv) -> None:
-    """Every rank must run the same configuration; a difference is named on every rank.
-
-    Ranks first compare a hash (one small all-gather); only on a mismatch do they gather the
-    configurations themselves to name the differing keys. Runs before any other collective, so a
-    mismatch cannot turn into mismatched collectives (a deadlock or silently wrong training).
-    """
-    if not env.distributed:
-        return
-    record = {k: v for k, v in cfg.to_dict().items() if k not in PER_RANK_FIELDS}
-    # Different library versions on different nodes compute different things from the same
-    # configuration (kernels, defaults): part of what must agree.
-    record["torch_version"] = torch.__version__
-    record["python"] = ".".join(map(str, sys.version_info[:3]))
-    digest = hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
-    if len(set(_gather(digest, env))) > 1:
-        _check_agree(env, "the configuration", record, ConfigError)
-    _say(env, f"configuration {digest[:12]}: the same on all {env.world_size} ranks")
-
-
-def _check_agree(env: DistEnv, what: str, record: dict[str, Any],
-                 error: Callable[[str], Exception]) -> None:
-    """Gather ``record`` from every rank; raise ``error`` naming the keys that differ."""
-    if not env.distributed:
-        return
-    records = _gather(record, env)
-    keys = list(dict.fromkeys(k for r in records for k in r))
-    diffs = []
-    for key in keys:
-        values = [r.get(key) for r in records]
-        other = next((rank for rank, v in enumerate(values) if v != values[0]), None)
-        if other is not None:
-            diffs.append(f"{key} (rank 0: {_short(values[0])}, rank {other}: "
-                         f"{_short(values[other])})")
-    if diffs:
-        more = f"; and {len(diffs) - 3} more" if len(diffs) > 3 else ""
-        raise error(f"ranks disagree on {what}: {'; '.join(diffs[:3])}{more}")
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _data_fingerprint(task: Task) -> dict[str, Any]:
-    """A cheap digest of the data each rank loaded: shapes, dtypes and sampled bytes.
-
-    Hashes the first and last examples and 64 evenly spaced ones of every split (and the
-    vocabulary of a corpus), so different files, subsets or tokenizations are caught in
-    milliseconds; a difference confined to unsampled examples is not (see docs/reliability.md).
-    """
-    source = getattr(task, "ds", None) or getattr(task, "corpus", None)
-    out: dict[str, Any] = {}
-    for name in ("train_images", "train_labels", "test_images", "test_labels",
-                 "train", "valid", "test"):
-        t = getattr(source, name, None)
-        if isinstance(t, torch.Tensor):
-            out[name] = _sample_digest(t)
-    vocab = getattr(source, "vocab", None)
-    if vocab is not None:
-        words = list(getattr(vocab, "idx2word", []))
-        out["vocab"] = hashlib.sha256(
-            "\n".join([str(len(words)), *words[:256], *words[-256:]]).encode()).hexdigest()[:16]
-    out["train_batches"] = len(task.train_loader)
-    return out
-
-
-def _sample_digest(t: torch.Tensor) -> str:
-    h = hashlib.sha256(f"{tuple(t.shape)} {t.dtype}".encode())
-    if t.numel():
-        rows = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(-1, 1)
-        n = rows.shape[0]
-        idx = torch.unique(torch.cat([torch.arange(min(n, 1024)), torch.arange(max(0, n - 1024), n),
-                                      torch.linspace(0, n - 1, min(n, 64)).long()]))
-        h.update(rows[idx].cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _restart_count() -> int:
-    """How often torchelastic has restarted this worker group (0: first attempt, or no torchrun)."""
-    try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    except ValueError:
-        return 0
-
-
-def _find_resume_point(cfg: TrainConfig, env: DistEnv,
-                       run_dir: Path) -> tuple[dict[str, Any], Path] | None:
-    """The checkpoint to continue from, or None for a fresh start.
-
-    * ``--resume DIR``: the newest complete checkpoint of DIR; flags may change what does not
-      change the run (see :func:`_check_resumable`). With ``--out`` elsewhere the run continues
-      there (a fork); checkpoints already there are removed first.
-    * ``--resume auto``, or a torchelastic restart (``TORCHELASTIC_RESTART_COUNT`` > 0) without
-      ``--resume``: the newest complete checkpoint of ``--out`` if there is one, and it must be
-      of this very configuration (:data:`RUN_LOCAL_FIELDS` aside); otherwise a fresh start.
-    * Otherwise a fresh start, which removes the checkpoints of an earlier run in ``--out``: a
-      later resume must never pick up a checkpoint of another run (the metrics and config of
-      that run are replaced as well).
-    """
-    explicit = bool(cfg.resume) and cfg.resume != "auto"
-    auto = cfg.resume == "auto" or (not cfg.resume and _restart_count() > 0)
-    source = Path(cfg.resume) if explicit else run_dir
-    found = _latest_checkpoint(source, env) if explicit or auto else None
-    if found is None and (explicit or auto):
-        _say(env, f"no complete checkpoint in {source}: starting from the beginning")
-    if env.is_main and (found is None or source.resolve() != run_dir.resolve()):
-        _remove_checkpoints(run_dir)
-    if found is None:
-        return None
-    saved, path = found
-    if explicit:
-        _check_resumable(saved, cfg)
-    else:
-        # Keys the checkpoint does not know (written before a field was added) are not compared.
-        current = {k: v for k, v in cfg.to_dict().items()
-                   if k not in RUN_LOCAL_FIELDS and k in saved["config"]}
-        try:
-            ckpt.verify_compatible({k: saved["config"][k] for k in current}, current,
-                                   what="configuration")
-        except ckpt.CheckpointError as e:
-            raise ckpt.CheckpointError(
-                f"{e} (automatic resume from {run_dir}: to continue that run with changed flags "
-                f"use --resume {run_dir}, to start a new one use another --out)") from None
-    hook_states = saved.get("hook_states") or []
-    if any(hook_states) and len(hook_states) != env.world_size:
-        raise ckpt.CheckpointError(
-            f"{path} was written by {len(hook_states)} processes, this run has "
-            f"{env.world_size}: the per-rank memory of comm hook {cfg.comm!r} cannot be "
-            "redistributed; resume with the same number of processes")
-    return found
-
-
-def _latest_checkpoint(run_dir: Path, env: DistEnv) -> tuple[dict[str, Any], Path] | None:
-    """:func:`ckpt.latest_checkpoint`, its skip warnings as one line each on rank 0."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ckpt.CheckpointWarning)
-        found = ckpt.latest_checkpoint(run_dir)
-    for w in caught:
-        if issubclass(w.category, ckpt.CheckpointWarning):
-            if env.is_main:
-                print(f"pufferfish: warning: {w.message}", flush=True)
-        else:
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    return found
-
-
-def _remove_checkpoints(run_dir: Path) -> None:
-    directory = run_dir / ckpt.CHECKPOINT_SUBDIR
-    if not directory.is_dir():
-        return
-    names = re.compile(r"^(ckpt-\d{9,}\.(pt|json)|\.ckpt-\d{9,}\.(pt|json)\..*\.tmp)$")
-    removed = 0
-    for entry in directory.iterdir():
-        if names.match(entry.name):
-            entry.unlink(missing_ok=True)
-            removed += entry.suffix == ".pt"
-    if removed:
-        print(f"starting a new run in {run_dir}: removed {removed} checkpoint(s) of an earlier "
-              "run there", flush=True)
-
-
-def _check_resumable(saved: dict[str, Any], cfg: TrainConfig) -> None:
-    """The run being resumed must be the run that was saved (flags may change the rest)."""
-    keys = ("model", "width", "data", "mode", "warmup_epochs", "rank_ratio", "preset", "keep",
-            "keep_first", "extra_bn", "seed", "train_subset", "batch_size")
-    ckpt.verify_compatible({k: saved["config"].get(k) for k in keys},
-                           {k: getattr(cfg, k) for k in keys}, what="configuration")
-
-
-def _load_model(model: nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
-    """Load a checkpoint's weights; a checkpoint of another architecture is a named error."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in weights]
-    unexpected = [k for k in weights if k not in own]
-    shapes = [k for k in own if k in weights and own[k].shape != weights[k].shape]
-    if missing or unexpected or shapes:
-        parts = [f"{what}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
-                 for what, keys in (("missing", missing), ("unexpected", unexpected),
-                                    ("different shape", shapes)) if keys]
-        raise ckpt.CheckpointError(f"checkpoint {path} does not fit this model ({'; '.join(parts)})")
-    model.load_state_dict(weights)
 
 
 # -- failures, signals and files ---------------------------------------------------------------
@@ -784,11 +577,6 @@ def _write_text(path: Path, text: str) -> None:
 
 
 # -- output ------------------------------------------------------------------------------------
-
-def _say(env: DistEnv, text: str) -> None:
-    if env.is_main:
-        print(text, flush=True)
-
 
 def _indent(text: str) -> str:
     return "\n".join("  " + line for line in text.strip().splitlines())
