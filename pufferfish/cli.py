@@ -121,17 +121,7 @@ def _parser() -> argparse.ArgumentParser:
                                        "flags override the file.")
     train.add_argument("--config", help="TOML file of training options")
     train.add_argument("--debug", action="store_true", help="show tracebacks")
-    for name, f in FIELDS.items():
-        kind = field_kind(name)
-        flag = "--" + name.replace("_", "-")
-        default_text = f.default if f.default is not f.default_factory else "[]"  # type: ignore[misc]
-        if kind is bool:
-            train.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                               default=None, help=f"(default: {default_text})")
-        else:
-            train.add_argument(flag, dest=name, default=None, metavar=kind.__name__.upper(),
-                               help=f"(default: {default_text!r})" + (
-                                   ", comma-separated" if kind is list else ""))
+    _config_flags(train, skip=())
     train.set_defaults(run=_cmd_train)
 
     fact = sub.add_parser("factorize", help="factorize a paper model and print the report")
@@ -200,7 +190,8 @@ def _config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...]) -> Non
                                 default=None, help=f"(default: {default_text})")
         else:
             parser.add_argument(flag, dest=name, default=None, metavar=kind.__name__.upper(),
-                                help=f"(default: {default_text!r})")
+                                help=f"(default: {default_text!r})" + (
+                                    ", comma-separated" if kind is list else ""))
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
