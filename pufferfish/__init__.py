@@ -1,5 +1,6 @@
 """pufferfish: communication-efficient distributed training with pre-factorized low-rank networks."""
 
+from . import models
 from .lowrank import (
     FactorizationReport,
     LowRankConv2d,
@@ -26,5 +27,6 @@ __all__ = [
     "count_macs",
     "factorize",
     "merge",
+    "models",
     "register_low_rank",
 ]
