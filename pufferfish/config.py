@@ -250,20 +250,14 @@ def coerce_scalar(name: str, value: Any, kind: type) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             return value.lower() in ("1", "true", "yes", "on")
-    elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    elif kind in (int, float):
+        # An int field takes only ints (3.5 epochs is an error); a float field takes ints too.
+        numeric = int if kind is int else int | float
+        if isinstance(value, numeric) and not isinstance(value, bool):
+            return kind(value)
         if isinstance(value, str):
             try:
-                return int(value)
-            except ValueError:
-                pass
-    elif kind is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
+                return kind(value)
             except ValueError:
                 pass
     elif kind is str:
