@@ -302,6 +302,7 @@ def choose_ranks(
     energy: float = 0.9,
     initial: Mapping[str, float] | None = None,
     keep: Iterable[str] = (),
+    max_ratio: float | None = None,
 ) -> dict[str, int]:
     """Qualified name -> rank for every factorizable layer; pass it as ``factorize(overrides=)``.
 
@@ -319,10 +320,17 @@ def choose_ranks(
       truncation keeps ``energy`` of the squared Frobenius norm); the max over an LSTM's or
       attention layer's matrices. Raise ``energy`` (0.95-0.99) for accuracy, lower it for size.
 
-    Then, for both rules, ``r`` is clipped to ``[1, R]`` and capped at :func:`saving_cap`, the
-    largest rank whose replacement holds fewer parameters than the dense layer (``params_at_rank``
-    of the layer class vs the dense count). A layer that saves parameters at no rank gets ``R``,
-    which ``factorize`` reports as "kept: no parameter saving".
+    Then, for both rules, ``r`` is clipped to ``[1, R]``, to ``rank_from_ratio(R, max_ratio)``
+    when ``max_ratio`` is given (a size budget: ``0.25`` never makes a layer larger than the
+    paper's ¼ preset would), and to :func:`saving_cap`, the largest rank whose replacement holds
+    fewer parameters than the dense layer (``params_at_rank`` of the layer class vs the dense
+    count). A layer that saves parameters at no rank gets ``R``, which ``factorize`` reports as
+    "kept: no parameter saving".
+
+    Why a budget: in short runs stable ranks barely fall from their initial values, so the
+    Cuttlefish rule alone returns ranks near ``R`` (little saving, little speed-up). With
+    ``max_ratio`` the automatic rule can only shrink a layer below the budget, where its spectrum
+    says it can afford it.
 
     Layers: a tracker's (``keep`` is applied on top of the tracker's own), or
     ``factorizable_modules(model)`` minus those matching a ``keep`` glob pattern.
@@ -331,6 +339,8 @@ def choose_ranks(
         raise ValueError(f"rule {rule!r} is unknown: allowed 'cuttlefish', 'energy'")
     if rule == "energy" and not (isinstance(energy, int | float) and 0 < energy <= 1):
         raise ValueError(f"energy {energy!r} is out of range: allowed 0 < energy <= 1")
+    if max_ratio is not None and not (isinstance(max_ratio, int | float) and 0 < max_ratio <= 1):
+        raise ValueError(f"max_ratio {max_ratio!r} is out of range: allowed 0 < max_ratio <= 1")
     keep = [keep] if isinstance(keep, str) else list(keep)
     if isinstance(model_or_tracker, StableRankTracker):
         tracker = model_or_tracker
@@ -365,6 +375,8 @@ def choose_ranks(
             matrices = [matrices] if isinstance(matrices, torch.Tensor) else matrices
             r = max(_energy_rank(m, energy) for m in matrices)
         r = max(1, min(full, r))
+        if max_ratio is not None:
+            r = min(r, rank_from_ratio(full, max_ratio))
         cap = saving_cap(module)
         ranks[name] = min(r, cap) if cap >= 1 else full
     return ranks

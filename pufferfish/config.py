@@ -41,7 +41,10 @@ class TrainConfig:
     # The method
     mode: str = "pufferfish"  # full, pufferfish (warm-up then factorize), lowrank (from step 0)
     warmup_epochs: str = "2"  # full-rank epochs before the switch, or "auto"
+    min_warmup_epochs: int = 1  # warmup_epochs auto: never switch before this epoch
+    max_warmup_epochs: int = 0  # warmup_epochs auto: switch here at the latest (0: epochs // 4)
     rank_ratio: str = "0.25"  # rank as a fraction of each layer's full rank, or "auto"
+    max_rank_ratio: float = 0.25  # rank_ratio auto: at most this fraction of full rank (1: no cap)
     preset: str = "paper"  # the model's preset of full-rank layers ("none": no preset)
     keep: list[str] = field(default_factory=list)  # extra globs of layers kept full-rank, or auto
     keep_first: int = 0  # also keep the first K factorizable layers full-rank
@@ -130,10 +133,18 @@ class TrainConfig:
             if self.mode == "pufferfish" and not 0 <= w < self.epochs:
                 raise ConfigError(f"warmup_epochs {w} is invalid with epochs {self.epochs}: "
                                   f"allowed 0 <= warmup_epochs < epochs, or 'auto'")
+        if self.warmup_epochs == "auto" and self.mode == "pufferfish":
+            lo, hi = self.min_warmup_epochs, self.max_warmup
+            if not 0 <= lo <= hi < self.epochs:
+                raise ConfigError(f"min_warmup_epochs {lo} / max_warmup_epochs {hi} are invalid "
+                                  f"with epochs {self.epochs}: allowed 0 <= min <= max < epochs")
         if self.rank_ratio != "auto":
             r = _float("rank_ratio", self.rank_ratio, "a number in (0, 1] or 'auto'")
             if not 0 < r <= 1:
                 raise ConfigError(f"rank_ratio {r} is out of range: allowed 0 < ratio <= 1 or 'auto'")
+        if not 0 < self.max_rank_ratio <= 1:
+            raise ConfigError(f"max_rank_ratio {self.max_rank_ratio!r} is out of range: "
+                              "allowed 0 < ratio <= 1")
         self._validate_baselines()
         if sorted(self.milestones) != list(self.milestones) or not all(
                 0 < m < 1 for m in self.milestones):
@@ -165,6 +176,13 @@ class TrainConfig:
     @property
     def warmup(self) -> int | str:
         return "auto" if self.warmup_epochs == "auto" else int(self.warmup_epochs)
+
+    @property
+    def max_warmup(self) -> int:
+        """The latest automatic switch epoch: ``max_warmup_epochs``, or a quarter of the run."""
+        if self.max_warmup_epochs > 0:
+            return self.max_warmup_epochs
+        return min(max(self.min_warmup_epochs, self.epochs // 4), max(0, self.epochs - 1))
 
     @property
     def ratio(self) -> float | str:

@@ -49,6 +49,8 @@ class Recipe:
             0 factorizes at the start of epoch 0 (spectral initialization of a low-rank model);
             ``"auto"``: when every tracked layer's stable rank has stopped changing.
         rank_ratio: rank as a fraction of each layer's full rank (paper: 1/4), or ``"auto"``.
+        max_rank_ratio: with ``rank_ratio="auto"``, no layer's rank exceeds this fraction of its
+            full rank (default 1/4: never larger than the paper's preset); None: no budget.
         keep: glob patterns of layers kept full-rank, or ``"auto"`` (profile; preset still applies).
         preset: the model's named preset of full-rank layers (``"paper"``), or None.
         keep_first: also keep the first K factorizable layers full-rank (hybrid network).
@@ -65,6 +67,7 @@ class Recipe:
         warmup_epochs: int | str = 2,
         rank_ratio: float | str = 0.25,
         keep: Iterable[str] | str = (),
+        max_rank_ratio: float | None = 0.25,
         preset: str | None = None,
         keep_first: int = 0,
         extra_bn: bool = False,
@@ -80,6 +83,7 @@ class Recipe:
                              "or 'auto'")
         self.warmup_epochs = warmup_epochs
         self.rank_ratio = rank_ratio
+        self.max_rank_ratio = max_rank_ratio
         self.keep_auto = keep == "auto"
         self.keep = [] if keep == "auto" else ([keep] if isinstance(keep, str) else list(keep))
         self.preset = preset
@@ -157,7 +161,8 @@ class Recipe:
             if self.tracker is None:
                 raise ValueError("rank_ratio='auto' needs the stable ranks at initialization: "
                                  "call observe(0, model) (or on_epoch_start) before training")
-            ranks = _agree(choose_ranks(self.tracker, keep=self._static_keep(model)))
+            ranks = _agree(choose_ranks(self.tracker, keep=self._static_keep(model),
+                                        max_ratio=self.max_rank_ratio))
             self.decisions["ranks"] = ranks
             kwargs["overrides"] = ranks
             kwargs["rank_ratio"] = 1.0  # unused: every candidate has an override

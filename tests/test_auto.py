@@ -127,6 +127,17 @@ def test_cuttlefish_rule_and_saving_cap() -> None:
     assert report.ranks == {"0": 31}
 
 
+def test_max_ratio_caps_the_cuttlefish_rank() -> None:
+    model = nn.Sequential(nn.Linear(64, 64))
+    _set_diag(model[0], [1.0] * 32)
+    tracker = StableRankTracker(model)
+    _set_diag(model[0], [1.0] * 10)  # the rule says 20
+    assert choose_ranks(tracker, max_ratio=0.25) == {"0": 16}  # budget: round(64/4)
+    assert choose_ranks(tracker, max_ratio=0.5) == {"0": 20}  # under the budget: the rule's rank
+    with pytest.raises(ValueError, match="max_ratio 0"):
+        choose_ranks(tracker, max_ratio=0)
+
+
 def test_choose_ranks_from_model_needs_initial() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     _set_diag(model[0], [1.0] * 8)

@@ -30,9 +30,19 @@ def test_recipe_auto_switches_on_a_plateau_and_picks_ranks() -> None:
     # Flat from the start: the detector needs window + 1 = 4 observations (epochs 0..3).
     assert switched == 3
     ranks = recipe.decisions["ranks"]
-    # Nothing moved, so Cuttlefish's rule keeps full rank -> capped where factorizing stops saving.
-    assert ranks["0"] == 31 and isinstance(model[0], LowRankLinear)  # 31*(128) < 64*64
+    # Nothing moved, so Cuttlefish's rule keeps full rank -> capped by the default size budget,
+    # the paper's 1/4 preset (16 of 64).
+    assert ranks["0"] == 16 and isinstance(model[0], LowRankLinear)
     assert recipe.report is not None and recipe.report.params_after < recipe.report.params_before
+
+
+def test_recipe_auto_without_budget_stops_where_factorizing_stops_saving() -> None:
+    model = _toy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    recipe = pf.Recipe(warmup_epochs=1, rank_ratio="auto", max_rank_ratio=None)
+    for epoch in range(2):
+        model, opt, _ = recipe.on_epoch_start(epoch, model, opt)
+    assert recipe.decisions["ranks"]["0"] == 31  # 31*(64+64) < 64*64: the last saving rank
 
 
 def test_recipe_auto_needs_initial_stable_ranks() -> None:
@@ -45,11 +55,12 @@ def test_recipe_auto_needs_initial_stable_ranks() -> None:
 def test_cli_fully_automatic_run(tmp_path: Path) -> None:
     out = tmp_path / "auto"
     result = run_cli("train", *TINY, "--epochs", "3", "--warmup-epochs", "auto", "--rank-ratio",
-                     "auto", "--keep", "auto", "--frobenius-decay", "1e-4", "--out", str(out))
+                     "auto", "--keep", "auto", "--frobenius-decay", "1e-4",
+                     "--max-warmup-epochs", "2", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics(out)
     assert "stable_ranks" in rows[0] and len(rows[0]["stable_ranks"]) > 0
-    assert rows[-1]["switch_epoch"] == 2  # at the latest: max warm-up = epochs - 1
+    assert rows[-1]["switch_epoch"] == 2  # at the latest: --max-warmup-epochs
     assert "stable_ranks" not in rows[-1]  # tracking stops at the switch
     record = json.loads((out / "factorization.json").read_text())
     assert record["decisions"]["ranks"]

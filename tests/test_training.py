@@ -180,6 +180,9 @@ def _write_idx(path: Path, magic: int, dims: list[int], payload: bytes) -> None:
     (["--data-dir", "/nonexistent/fmnist"], "/nonexistent/fmnist"),
     (["--batch-size", "zero"], "batch_size 'zero' is invalid"),
     (["--mode", "magic"], "mode 'magic' is invalid"),
+    (["--epochs", "4", "--warmup-epochs", "auto", "--max-warmup-epochs", "4"],
+     "max_warmup_epochs 4 are invalid with epochs 4"),
+    (["--rank-ratio", "auto", "--max-rank-ratio", "0"], "max_rank_ratio 0.0 is out of range"),
 ])
 def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
     result = run_cli("train", *TINY, *args, "--out", "/tmp/pufferfish-never-written")

@@ -50,12 +50,14 @@ class PufferfishMethod(Method):
         self.recipe = Recipe(
             warmup_epochs=0 if cfg.mode == "lowrank" else cfg.warmup,
             rank_ratio=cfg.ratio,
+            max_rank_ratio=cfg.max_rank_ratio,
             keep="auto" if cfg.keep_auto else cfg.keep,
             preset=None if cfg.preset == "none" else cfg.preset,
             keep_first=cfg.keep_first,
             extra_bn=cfg.extra_bn,
             example_input=example_input,
-            max_warmup=max(1, cfg.epochs - 1),
+            min_warmup=cfg.min_warmup_epochs,
+            max_warmup=cfg.max_warmup,
         )
         if self.recipe.detector is not None:
             self.recipe.observe(0, model)  # the stable ranks at initialization
