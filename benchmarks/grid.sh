@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Benchmark of issue "No tuning": a grid of hand-tuned Pufferfish settings (warm-up epochs x rank
 # ratio) next to the automatic recipe (--warmup-epochs auto --rank-ratio auto --keep auto), same
-# data, epochs and seed, one process. Ends with `pufferfish report` over every run.
+# data, epochs and seed, one process, plus the full-rank model as reference. Ends with
+# `pufferfish report` over every run.
 #   benchmarks/grid.sh CONFIG OUT_DIR [extra pufferfish-train flags...]
 #   WARMUPS="1 2 4" RATIOS="0.125 0.25 0.5" (defaults) choose the grid; a run whose directory
 #   holds a finished marker is not run again, so an interrupted grid resumes where it stopped.
@@ -23,6 +24,7 @@ run() {
   fi
   grep -E "^epoch|rror" "$out/$name.log" || true
 }
+run full "$@" --mode full  # the reference the grid is read against
 for w in $WARMUPS; do
   for r in $RATIOS; do
     run "w$w-r$r" "$@" --mode pufferfish --warmup-epochs "$w" --rank-ratio "$r"

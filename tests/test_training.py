@@ -229,3 +229,26 @@ def test_lstm_language_model_on_kjv(tmp_path: Path) -> None:
     assert [r["lowrank"] for r in rows] == [False, True]
     assert rows[1]["test_ppl"] < 500  # better than uniform over the 500-word vocabulary
     assert "rnn" in (out / "factorization.txt").read_text()
+
+
+@pytest.mark.skipif(not __import__("shutil").which("bible"), reason="bible-kjv missing")
+def test_two_process_lm_equals_one_process_at_twice_the_batch(tmp_path: Path) -> None:
+    # Rank r holds columns [r*B, (r+1)*B) of the 2B-column batchify, DDP averages the two halves'
+    # mean losses, and clipping sees the averaged gradient: without dropout the 2-process run is
+    # the 1-process run at batch 2B up to float summation order, before and after the switch.
+    # (At lr 20 those last-bit differences grow chaotically after the switch: the reason why a
+    # 1-process and a 2-process LM run can end far apart. Here lr 1 keeps the dynamics tame.)
+    args = ["--model", "lstm", "--data", "kjv", "--width", "0.02", "--max-vocab", "300",
+            "--train-subset", "3000", "--test-subset", "600", "--epochs", "2", "--warmup-epochs",
+            "1", "--bptt", "10", "--dropout", "0", "--lr", "1", "--momentum", "0",
+            "--grad-clip", "0.25", "--threads", "1", "--no-progress"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    r1 = run_cli("train", *args, "--batch-size", "8", "--out", str(one))
+    r2 = run_cli("train", *args, "--batch-size", "4", "--out", str(two), torchrun=2)
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    rows1, rows2 = metrics(one), metrics(two)
+    assert [r["lowrank"] for r in rows2] == [False, True]
+    for a, b in zip(rows1, rows2, strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
+        assert b["test_ppl"] == pytest.approx(a["test_ppl"], rel=1e-3)

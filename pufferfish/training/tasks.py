@@ -104,7 +104,7 @@ class LanguageTask:
     continues it.
     """
 
-    eval_columns = 10  # the classic word-language-model evaluation batch
+    eval_columns = 10  # the classic word-language-model evaluation batch (over all ranks)
 
     def __init__(self, cfg: TrainConfig, env: DistEnv) -> None:
         corpus = datasets.load_dataset(cfg.data, cfg.data_dir or None)
@@ -120,8 +120,10 @@ class LanguageTask:
             self.vocab_size = cfg.max_vocab
         self.train_loader = datasets.BPTTLoader(train, cfg.batch_size, cfg.bptt, rank=env.rank,
                                                 world_size=env.world_size, device=env.device)
-        self.test_loader = datasets.BPTTLoader(test, self.eval_columns, cfg.bptt, rank=env.rank,
-                                               world_size=env.world_size, device=env.device)
+        # The test stream is cut into the same eval_columns columns whatever the world size, and
+        # the ranks split the columns: the perplexity is that of one process, only faster.
+        columns = datasets.batchify(test, self.eval_columns)
+        self.test_source = columns[:, env.rank::env.world_size].contiguous().to(env.device)
         self.batch_first = cfg.model == "transformer"
         if cfg.model == "lstm":
             dim = max(8, round(1500 * cfg.width))
@@ -158,7 +160,9 @@ class LanguageTask:
     def evaluate(self, model: nn.Module, env: DistEnv) -> dict[str, float]:
         model.eval()
         total, tokens, hidden = 0.0, 0, None
-        for data, target in self.test_loader:
+        source = self.test_source if self.test_source.size(1) else self.test_source[:0]
+        for i in range(0, len(source) - 1, self.cfg.bptt):
+            data, target = datasets.get_bptt_batch(source, i, self.cfg.bptt)
             logits, hidden = self._forward(model, data, hidden)
             total += F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
                                      reduction="sum").item()
