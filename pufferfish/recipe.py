@@ -186,6 +186,33 @@ class Recipe:
             kwargs["keep"] += keep
         return kwargs
 
+    def describe_decisions(self) -> str:
+        """The automatic choices of the last switch as text, for the factorization report."""
+        lines: list[str] = []
+        if self.warmup_epochs == "auto" and self.switched:
+            lines.append(f"switch epoch (auto): {self.switched_at}")
+        ranks = self.decisions.get("ranks")
+        if ranks and self.tracker is not None:
+            now = self._latest[1] if self._latest is not None else {}
+            budget = "none" if self.max_rank_ratio is None else f"{self.max_rank_ratio:g} of full"
+            lines.append(f"ranks (auto, Cuttlefish rule, budget {budget}):")
+            rows = [("module", "stable rank at init", "now", "rank")]
+            rows += [(n, f"{self.tracker.initial.get(n, float('nan')):.2f}",
+                      f"{now.get(n, float('nan')):.2f}", str(r)) for n, r in ranks.items()]
+            lines += _table(rows)
+        measured = (self.decisions.get("keep_auto") or {}).get("measurements")
+        if measured:
+            lines.append("full-rank layers (auto, forward+backward profile on this run's shapes):")
+            rows = [("module", "rank", "dense ms", "low-rank ms", "speed-up", "param share",
+                     "decision")]
+            fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+            rows += [(n, str(m.get("rank")), fmt(m.get("dense_ms"), ".3f"),
+                      fmt(m.get("lowrank_ms"), ".3f"), fmt(m.get("speedup"), ".2f"),
+                      fmt(m.get("param_saving_share"), ".2%"), str(m.get("decision")))
+                     for n, m in measured.items()]
+            lines += _table(rows)
+        return "\n".join(lines)
+
     def state_dict(self) -> dict[str, Any]:
         """Progress to checkpoint: switch epoch, and the stable-rank record of automatic runs."""
         state: dict[str, Any] = {"switched_at": self.switched_at}
@@ -243,6 +270,13 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     for group in new.param_groups:
         group.update(carried)
     return new
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    out.insert(1, "  " + "  ".join("-" * w for w in widths))
+    return out
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

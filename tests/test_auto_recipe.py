@@ -66,6 +66,9 @@ def test_cli_fully_automatic_run(tmp_path: Path) -> None:
     assert record["decisions"]["ranks"]
     measured = record["decisions"]["keep_auto"]["measurements"]
     assert all({"dense_ms", "lowrank_ms", "decision"} <= set(m) for m in measured.values())
+    text = (out / "factorization.txt").read_text()  # the decisions are in the readable report too
+    assert "switch epoch (auto): 2" in text and "stable rank at init" in text
+    assert "speed-up" in text and "low-rank ms" in text
     # The automatic run records when it switched and what it kept, and reports can plot it.
     report = run_cli("report", str(out), "--out", str(tmp_path / "rep"))
     assert report.returncode == 0, report.stderr

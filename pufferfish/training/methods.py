@@ -70,8 +70,9 @@ class PufferfishMethod(Method):
         report = self.recipe.report
         assert report is not None
         self.ranks = report.ranks
-        return Change("factorization",
-                      f"switching to the low-rank model at epoch {epoch}:\n{report}",
+        text = f"switching to the low-rank model at epoch {epoch}:\n{report}"
+        decided = self.recipe.describe_decisions()
+        return Change("factorization", text + ("\n" + decided if decided else ""),
                       {"epoch": epoch, **report.to_dict(), "decisions": self.recipe.decisions})
 
     def on_epoch_end(self, epoch: int, model: nn.Module) -> dict[str, Any]:
