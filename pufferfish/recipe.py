@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .lowrank import FactorizationReport, factorize
+from .lowrank.factorize import format_table
 
 __all__ = ["Recipe", "rebuild_optimizer"]
 
@@ -199,7 +200,7 @@ class Recipe:
             rows = [("module", "stable rank at init", "now", "rank")]
             rows += [(n, f"{self.tracker.initial.get(n, float('nan')):.2f}",
                       f"{now.get(n, float('nan')):.2f}", str(r)) for n, r in ranks.items()]
-            lines += _table(rows)
+            lines += format_table(rows, indent="  ")
         measured = (self.decisions.get("keep_auto") or {}).get("measurements")
         if measured:
             lines.append("full-rank layers (auto, forward+backward profile on this run's shapes):")
@@ -210,7 +211,7 @@ class Recipe:
                       fmt(m.get("lowrank_ms"), ".3f"), fmt(m.get("speedup"), ".2f"),
                       fmt(m.get("param_saving_share"), ".2%"), str(m.get("decision")))
                      for n, m in measured.items()]
-            lines += _table(rows)
+            lines += format_table(rows, indent="  ")
         return "\n".join(lines)
 
     def state_dict(self) -> dict[str, Any]:
@@ -270,13 +271,6 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     for group in new.param_groups:
         group.update(carried)
     return new
-
-
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    out.insert(1, "  " + "  ".join("-" * w for w in widths))
-    return out
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -96,15 +96,21 @@ class FactorizationReport:
                       else f"{d.params_before:,}")
             name = d.name + (f" (= {', '.join(d.aliases)})" if d.aliases else "")
             rows.append((name, d.kind, d.shape, rank, params, d.reason))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines = format_table(rows)
         ratio = self.params_before / max(1, self.params_after)
         lines.append(f"parameters: {self.params_before:,} -> {self.params_after:,} ({ratio:.2f}x fewer)")
         if self.macs_before is not None and self.macs_after is not None:
             ratio = self.macs_before / max(1, self.macs_after)
             lines.append(f"MACs:       {self.macs_before:,} -> {self.macs_after:,} ({ratio:.2f}x fewer)")
         return "\n".join(lines)
+
+
+def format_table(rows: list[tuple[str, ...]], indent: str = "") -> list[str]:
+    """Aligned plain-text columns, a dashed rule under the header row (the first)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, indent + "  ".join("-" * w for w in widths))
+    return lines
 
 
 def count_params(model: nn.Module) -> int:

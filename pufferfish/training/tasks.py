@@ -122,8 +122,9 @@ class LanguageTask:
                                                 world_size=env.world_size, device=env.device)
         # The test stream is cut into the same eval_columns columns whatever the world size, and
         # the ranks split the columns: the perplexity is that of one process, only faster.
-        columns = datasets.batchify(test, self.eval_columns)
-        self.test_source = columns[:, env.rank::env.world_size].contiguous().to(env.device)
+        # A rank beyond the 10th gets no column: an empty source, so it evaluates nothing.
+        columns = datasets.batchify(test, self.eval_columns)[:, env.rank::env.world_size]
+        self.test_source = (columns if columns.size(1) else columns[:0]).contiguous().to(env.device)
         self.batch_first = cfg.model == "transformer"
         if cfg.model == "lstm":
             dim = max(8, round(1500 * cfg.width))
@@ -160,9 +161,8 @@ class LanguageTask:
     def evaluate(self, model: nn.Module, env: DistEnv) -> dict[str, float]:
         model.eval()
         total, tokens, hidden = 0.0, 0, None
-        source = self.test_source if self.test_source.size(1) else self.test_source[:0]
-        for i in range(0, len(source) - 1, self.cfg.bptt):
-            data, target = datasets.get_bptt_batch(source, i, self.cfg.bptt)
+        for i in range(0, len(self.test_source) - 1, self.cfg.bptt):
+            data, target = datasets.get_bptt_batch(self.test_source, i, self.cfg.bptt)
             logits, hidden = self._forward(model, data, hidden)
             total += F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
                                      reduction="sum").item()
