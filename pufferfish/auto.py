@@ -7,7 +7,7 @@ decay on the factors by Frobenius decay. This module holds the pure pieces; the 
 wires them together:
 
 1. **When to switch** — :class:`StableRankTracker` measures every factorizable layer's stable
-   rank ``‖W‖²_F / ‖W‖²₂`` once per epoch; :class:`SwitchDetector` says "switch now" once all of
+   rank ``‖W‖²_F / ‖W‖²₂`` a few times per epoch; :class:`SwitchDetector` says "switch now" once all of
    them have stopped moving. Stable ranks drop fast early in training and then plateau; once they
    plateau the layer's "effective rank" is known, and more full-rank epochs only cost time.
 2. **Which rank** — :func:`choose_ranks`: Cuttlefish's scaled stable rank (or an energy
@@ -21,7 +21,7 @@ wires them together:
 
 Typical use::
 
-    tracker, detector = StableRankTracker(model), SwitchDetector(max_epochs=epochs // 4)
+    tracker, detector = StableRankTracker(model), SwitchDetector(max_epochs=epochs // 2)
     switched = False
     for epoch in range(epochs):
         train_one_epoch(model)
@@ -53,6 +53,7 @@ from .lowrank.svd import rank_from_ratio
 __all__ = [
     "StableRankTracker",
     "SwitchDetector",
+    "budget_params",
     "choose_ranks",
     "frobenius_decay",
     "frobenius_decay_params",
@@ -157,7 +158,7 @@ class StableRankTracker:
     appends ``(t, value)`` to ``history[name]`` (the initial values are *not* in ``history``).
 
     Cost: one ``svdvals`` per matrix per call — milliseconds for a ResNet-18 on a GPU, a fraction of
-    a second on a CPU — so once per epoch is free and once per step is not.
+    a second on a CPU — so a few times per epoch is free and once per step is not.
 
     Attributes:
         modules: name -> tracked module (the dense module, even after the model is factorized).
@@ -195,69 +196,87 @@ class StableRankTracker:
 class SwitchDetector:
     """Says when to end full-rank warm-up: when every layer's stable rank has stopped changing.
 
-    Rule, for each layer, from the values ``s`` passed to consecutive :meth:`update` calls:
+    Time ``t`` is measured in epochs and may be fractional: observe once per epoch, as Cuttlefish
+    does, or every N steps (``t = epoch + step / steps_per_epoch``), which lets the test look at
+    a full window within short runs. For each layer, from the values ``s_i`` observed at ``t_i``:
 
-        d_t = |s_t − s_{t−1}| / s_{t−1}                 (relative change per observation)
-        D_t = mean(d_{t−window+1}, ..., d_t)            (smoothed over the last ``window``)
+        D_t = Σ_{t_i > t − window} |s_i − s_{i−1}| / s_{i−1}  /  (t − t_j)
 
-    :meth:`update` returns ``True`` — on exactly one call, recorded in ``switched_at`` — when
-    ``t ≥ min_epochs`` and ``D_t < threshold`` for EVERY layer (a layer needs ``window + 1``
-    observations before it can count as settled), or unconditionally when ``t ≥ max_epochs``.
-    Afterwards it returns ``False``. ``d`` is per *observation*, not divided by the time between
-    them: observe once per epoch, as Cuttlefish does. ``0/0`` counts as no change.
+    where ``t_j`` is the last observation at or before ``t − window``: the relative change per
+    epoch over (at least) the last ``window`` epochs, summed step by step so that a rank that rises
+    and falls back is not mistaken for a flat one. With one observation per epoch this is the
+    mean of the last ``window`` relative changes. ``0/0`` counts as no change.
+
+    :meth:`update` returns ``True`` — on exactly one call, recorded in ``switched_at`` and
+    ``reason`` (``"settled"`` or ``"cap"``) — when
+    ``t ≥ min_epochs`` and ``D_t < threshold`` for EVERY layer (a layer needs observations
+    reaching back ``window`` epochs before it can count as settled), or unconditionally when
+    ``t ≥ max_epochs``. Afterwards it returns ``False``. A caller that may only switch at epoch
+    boundaries (the training loop) switches at the first boundary at or after ``switched_at``.
 
     Tuning guide:
 
-    - ``threshold`` (0.05): the largest average relative change per epoch still called "flat".
-      Stable ranks typically fall by 10-50% per epoch early on and then move by a few percent;
-      lower it (0.01-0.02) to wait for a firmer plateau (safer ranks, longer full-rank phase),
-      raise it (0.1) to switch early and save more compute.
-    - ``window`` (3): epochs averaged; larger resists noise (small batches, high learning rate,
-      a learning-rate warm-up) at the cost of switching ``window`` epochs later at the earliest.
+    - ``threshold`` (0.05): the largest relative change per epoch still called "flat". Stable
+      ranks typically fall by 10-50% per epoch early on and then move by a few percent; lower it
+      (0.01-0.02) to wait for a firmer plateau (safer ranks, longer full-rank phase), raise it
+      (0.1) to switch early and save more compute.
+    - ``window`` (1.0 epoch): how far back the change is averaged; longer resists noise (small
+      batches, a high learning rate, a learning-rate warm-up) at the cost of switching at least
+      ``window`` epochs into training. Observe a few times per window, so that noise averages out
+      and a rise-and-fall inside the window is seen.
     - ``min_epochs`` (1): never switch before this; set it past a learning-rate warm-up, during
       which ranks can look flat before real training starts.
     - ``max_epochs`` (None): always switch here, a budget cap (Pufferfish's fixed warm-up length
-      is the special case ``threshold=0``); e.g. a quarter of the schedule.
+      is the special case ``threshold=0``); the training CLI uses half the run.
     """
 
-    def __init__(self, window: int = 3, threshold: float = 0.05, min_epochs: float = 1,
+    def __init__(self, window: float = 1.0, threshold: float = 0.05, min_epochs: float = 1,
                  max_epochs: float | None = None) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window {window!r} is out of range: allowed an integer >= 1")
+        if isinstance(window, bool) or not isinstance(window, int | float) or not window > 0:
+            raise ValueError(f"window {window!r} is out of range: allowed a number of epochs > 0")
         if not threshold >= 0:
             raise ValueError(f"threshold {threshold!r} is out of range: allowed >= 0")
         if max_epochs is not None and max_epochs < min_epochs:
             raise ValueError(f"max_epochs {max_epochs} is below min_epochs {min_epochs}")
-        self.window, self.threshold = window, threshold
+        self.window, self.threshold = float(window), threshold
         self.min_epochs, self.max_epochs = min_epochs, max_epochs
+        self.times: list[float] = []
         self.values: dict[str, list[float]] = {}
-        self.last_t: float | None = None
         self.switched_at: float | None = None
+        self.reason: str | None = None  # "settled" or "cap", once fired
+
+    @property
+    def last_t(self) -> float | None:
+        return self.times[-1] if self.times else None
 
     def smoothed_change(self, name: str) -> float:
-        """``D_t`` of layer ``name`` now; ``inf`` until it has ``window + 1`` observations."""
+        """``D_t`` of layer ``name`` at the last observation; ``inf`` until the window is full."""
         s = self.values.get(name, [])
-        if len(s) <= self.window:
+        if len(s) < 2:
             return math.inf
-        recent = s[-self.window - 1:]
-        changes = [_relative_change(a, b) for a, b in pairwise(recent)]
-        return sum(changes) / len(changes)
+        times = self.times[-len(s):]
+        since = times[-1] - self.window
+        j = max((i for i, t in enumerate(times) if t <= since + 1e-9), default=None)
+        if j is None or j == len(s) - 1:
+            return math.inf
+        changes = [_relative_change(a, b) for a, b in pairwise(s[j:])]
+        return sum(changes) / (times[-1] - times[j])
 
     def update(self, t: float, stable_ranks: Mapping[str, float]) -> bool:
         """Record the stable ranks observed at ``t``; ``True`` iff training should switch now."""
-        if self.last_t is not None and t <= self.last_t:
-            raise ValueError(f"t must increase between updates: got {t} after {self.last_t}")
-        self.last_t = t
+        if self.times and t <= self.times[-1]:
+            raise ValueError(f"t must increase between updates: got {t} after {self.times[-1]}")
+        self.times.append(float(t))
         for name, value in stable_ranks.items():
             self.values.setdefault(name, []).append(float(value))
         if self.switched_at is not None:
             return False
-        settled = all(self.smoothed_change(name) < self.threshold for name in stable_ranks)
-        fire = (self.max_epochs is not None and t >= self.max_epochs) or (
-            t >= self.min_epochs and settled)
-        if fire:
-            self.switched_at = t
-        return fire
+        settled = t >= self.min_epochs and all(
+            self.smoothed_change(name) < self.threshold for name in stable_ranks)
+        capped = self.max_epochs is not None and t >= self.max_epochs
+        if settled or capped:
+            self.switched_at, self.reason = t, "settled" if settled else "cap"
+        return settled or capped
 
 
 def _relative_change(before: float, after: float) -> float:
@@ -269,6 +288,22 @@ def _relative_change(before: float, after: float) -> float:
 # --------------------------------------------------------------------------------------------
 # Which rank
 # --------------------------------------------------------------------------------------------
+
+def budget_params(model: nn.Module, max_ratio: float, keep: Iterable[str] = ()) -> int:
+    """Parameter count of ``model`` with every factorizable layer (minus ``keep``) at ``max_ratio``.
+
+    The size the automatic recipe must not exceed (``max_ratio=0.25`` with the model's preset in
+    ``keep``: the paper's 1/4 preset). Layers whose rank at ``max_ratio`` saves nothing count dense.
+    """
+    total = sum(p.numel() for p in model.parameters())
+    for module in _without_kept(model, keep).values():
+        cls = low_rank_class_for(module)
+        assert cls is not None
+        r = min(rank_from_ratio(cls.full_rank(module), max_ratio), saving_cap(module))
+        if r >= 1:
+            total -= sum(p.numel() for p in module.parameters()) - cls.params_at_rank(module, r)
+    return total
+
 
 def saving_cap(module: nn.Module) -> int:
     """Largest rank whose replacement holds fewer parameters than ``module`` (0 if none does)."""
@@ -398,6 +433,7 @@ def profile_keep(
     repeats: int = 5,
     warmup: int = 2,
     extra_bn: bool = False,
+    max_params: int | None = None,
 ) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """Time each layer dense vs low-rank on its real input; list those not worth factorizing.
 
@@ -423,6 +459,11 @@ def profile_keep(
     - ``param_saving_share = (dense params − low-rank params) / model params < min_param_share``
       (default 0.01: it saves under 1% of the model; parameters are what Pufferfish's
       gradient communication sends, so a large saving is worth some compute).
+
+    Budget: with ``max_params`` (e.g. the size of the model at the paper's 1/4 preset), layers
+    kept for speed are factorized after all, the least slowed-down first, until the factorized
+    model (``model`` params minus the savings of the layers factorized) fits; a layer kept only
+    because it was slower then costs parameters that lower-than-budget ranks elsewhere freed.
 
     A layer whose rank saves no parameters is kept without timing; one that ``example_input``
     never calls is decided on parameters alone. Layers no key of ``ranks`` matches are not
@@ -498,7 +539,27 @@ def profile_keep(
             m["reason"] = (f"kept: speedup {speedup:.2f}x < {min_speedup:.2f}x and saves only "
                            f"{share:.2%} of parameters < {min_param_share:.2%}")
             keep_names.append(name)
+    if max_params is not None:
+        _fit_budget(keep_names, measurements, total, max_params)
     return keep_names, measurements
+
+
+def _fit_budget(keep_names: list[str], measurements: dict[str, dict[str, Any]], total: int,
+                max_params: int) -> None:
+    """Un-keep timed layers, highest speed-up first, until the factorized model has <= max_params."""
+    after = total - sum(m["params_dense"] - m["params_lowrank"] for m in measurements.values()
+                        if m["decision"] == "factorize")
+    timed = sorted((n for n in keep_names if measurements[n]["speedup"] is not None),
+                   key=lambda n: -measurements[n]["speedup"])
+    for name in timed:
+        if after <= max_params:
+            break
+        m = measurements[name]
+        after -= m["params_dense"] - m["params_lowrank"]
+        m["decision"] = "factorize"
+        m["reason"] = (f"factorized: slower ({m['speedup']:.2f}x), but kept full-rank the model "
+                       f"would exceed the parameter budget of {max_params:,}")
+        keep_names.remove(name)
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:

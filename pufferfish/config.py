@@ -42,7 +42,10 @@ class TrainConfig:
     mode: str = "pufferfish"  # full, pufferfish (warm-up then factorize), lowrank (from step 0)
     warmup_epochs: str = "2"  # full-rank epochs before the switch, or "auto"
     min_warmup_epochs: int = 1  # warmup_epochs auto: never switch before this epoch
-    max_warmup_epochs: int = 0  # warmup_epochs auto: switch here at the latest (0: epochs // 4)
+    max_warmup_epochs: int = 0  # warmup_epochs auto: switch here at the latest (0: epochs // 2)
+    switch_threshold: float = 0.05  # warmup_epochs auto: "settled" = stable ranks move less per epoch
+    switch_window: float = 1.0  # warmup_epochs auto: epochs over which that change is averaged
+    stable_rank_every_steps: int = 0  # warmup_epochs auto: observe every N steps (0: 4 per epoch)
     rank_ratio: str = "0.25"  # rank as a fraction of each layer's full rank, or "auto"
     max_rank_ratio: float = 0.25  # rank_ratio auto: at most this fraction of full rank (1: no cap)
     preset: str = "paper"  # the model's preset of full-rank layers ("none": no preset)
@@ -115,11 +118,13 @@ class TrainConfig:
         _positive("timeout_s", self.timeout_s)
         _positive("powersgd_rank", self.powersgd_rank)
         for name in ("max_vocab", "train_subset", "test_subset", "keep_first", "checkpoint_every_epochs",
-                     "checkpoint_every_steps", "threads", "powersgd_start_iter"):
+                     "checkpoint_every_steps", "threads", "powersgd_start_iter",
+                     "stable_rank_every_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
         _positive("keep_checkpoints", self.keep_checkpoints)
-        for name in ("weight_decay", "grad_clip", "lr_warmup_epochs", "frobenius_decay", "momentum"):
+        for name in ("weight_decay", "grad_clip", "lr_warmup_epochs", "frobenius_decay", "momentum",
+                     "switch_threshold"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
         if not 0 <= self.dropout < 1:
@@ -138,6 +143,7 @@ class TrainConfig:
             if not 0 <= lo <= hi < self.epochs:
                 raise ConfigError(f"min_warmup_epochs {lo} / max_warmup_epochs {hi} are invalid "
                                   f"with epochs {self.epochs}: allowed 0 <= min <= max < epochs")
+        _positive("switch_window", self.switch_window)
         if self.rank_ratio != "auto":
             r = _float("rank_ratio", self.rank_ratio, "a number in (0, 1] or 'auto'")
             if not 0 < r <= 1:
@@ -179,10 +185,15 @@ class TrainConfig:
 
     @property
     def max_warmup(self) -> int:
-        """The latest automatic switch epoch: ``max_warmup_epochs``, or a quarter of the run."""
+        """The latest automatic switch epoch: ``max_warmup_epochs``, or half the run.
+
+        Half, not the paper's tenth: a budget cap for when the stable ranks have not settled, as
+        in short runs at a high learning rate, where switching before they settle costs accuracy
+        (docs/benchmarks.md, "No tuning"); in long runs the detector fires well before it.
+        """
         if self.max_warmup_epochs > 0:
             return self.max_warmup_epochs
-        return min(max(self.min_warmup_epochs, self.epochs // 4), max(0, self.epochs - 1))
+        return min(max(self.min_warmup_epochs, self.epochs // 2), max(0, self.epochs - 1))
 
     @property
     def ratio(self) -> float | str:

@@ -61,6 +61,8 @@ class Recipe:
             (default: one group with every parameter).
         on_wrap: called with each new DDP wrapper, e.g. to register a comm hook.
         min_warmup, max_warmup: bounds of the automatic switch epoch.
+        switch_threshold, switch_window: the automatic switch's plateau test, see
+            :class:`~pufferfish.auto.SwitchDetector` (change per epoch, window in epochs).
     """
 
     def __init__(
@@ -77,6 +79,8 @@ class Recipe:
         on_wrap: Callable[[DistributedDataParallel], Any] | None = None,
         min_warmup: int = 1,
         max_warmup: int | None = None,
+        switch_threshold: float = 0.05,
+        switch_window: float = 1.0,
     ) -> None:
         if warmup_epochs != "auto" and (isinstance(warmup_epochs, bool) or not isinstance(
                 warmup_epochs, int) or warmup_epochs < 0):
@@ -98,43 +102,52 @@ class Recipe:
         self.decisions: dict[str, Any] = {}  # what the automatic choices measured and chose
         self.tracker: Any = None
         self.detector: Any = None
-        self._latest: tuple[int, dict[str, float]] | None = None
+        self._latest: tuple[float, dict[str, float]] | None = None
         self._decided: dict[int, bool] = {}
         if warmup_epochs == "auto" or rank_ratio == "auto":
             from .auto import SwitchDetector
 
-            self.detector = SwitchDetector(min_epochs=min_warmup, max_epochs=max_warmup)
+            self.detector = SwitchDetector(window=switch_window, threshold=switch_threshold,
+                                           min_epochs=min_warmup, max_epochs=max_warmup)
 
     @property
     def switched(self) -> bool:
         return self.switched_at is not None
 
-    def observe(self, epoch: int, model: nn.Module) -> dict[str, float]:
-        """Stable ranks of the full-rank layers after ``epoch`` epochs (automatic choices only).
+    def observe(self, t: float, model: nn.Module) -> dict[str, float]:
+        """Stable ranks of the full-rank layers after ``t`` epochs; feeds the switch detector.
 
-        The first call records the stable ranks at initialization (Cuttlefish's reference): make
-        it before training, as :meth:`on_epoch_start` does at epoch 0. Cached per epoch.
+        For automatic choices only (else ``{}``). ``t`` may be fractional (``epoch + step /
+        steps``): observing a few times per epoch lets the detector see a whole window in short
+        runs. The first call records the stable ranks at initialization (Cuttlefish's reference):
+        make it before training, as :meth:`on_epoch_start` does at epoch 0. Cached per ``t``.
         """
         if self.detector is None or self.switched:
             return {}
-        if self._latest is not None and self._latest[0] == epoch:
+        if self._latest is not None and self._latest[0] == t:
             return self._latest[1]
         from .auto import StableRankTracker
 
         if self.tracker is None:
             self.tracker = StableRankTracker(_unwrap(model), keep=self._static_keep(model))
-        self._latest = (epoch, self.tracker.observe(epoch))
-        return self._latest[1]
+        values = self.tracker.observe(t)
+        self.detector.update(t, values)
+        self._latest = (t, values)
+        return values
 
     def should_switch(self, epoch: int, model: nn.Module) -> bool:
-        """Whether to factorize at the start of ``epoch``; the same answer on every rank."""
+        """Whether to factorize at the start of ``epoch``; the same answer on every rank.
+
+        With ``warmup_epochs="auto"``: at the first epoch boundary at or after the detector fired
+        (it may fire between boundaries when observed every N steps).
+        """
         if self.switched:
             return False
         if self.warmup_epochs != "auto":
             return epoch >= self.warmup_epochs
-        if epoch not in self._decided:  # the detector sees each epoch once
-            ranks = self.observe(epoch, model)
-            self._decided[epoch] = bool(_agree(self.detector.update(epoch, ranks)))
+        if epoch not in self._decided:  # one agreement per epoch
+            self.observe(epoch, model)
+            self._decided[epoch] = bool(_agree(self.detector.switched_at is not None))
         return self._decided[epoch]
 
     def on_epoch_start(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -170,7 +183,7 @@ class Recipe:
         else:
             kwargs["rank_ratio"] = float(self.rank_ratio)
         if self.keep_auto:
-            from .auto import profile_keep
+            from .auto import budget_params, profile_keep
             from .lowrank.factorize import factorizable_modules
 
             if self.example_input is None:
@@ -180,8 +193,10 @@ class Recipe:
                 name: kwargs["rank_ratio"] for name in factorizable_modules(model)}
             ranks = {n: r for n, r in ranks.items()
                      if not any(fnmatch.fnmatchcase(n, p) for p in static)}
+            budget = (budget_params(model, self.max_rank_ratio, keep=static)
+                      if self.rank_ratio == "auto" and self.max_rank_ratio is not None else None)
             keep, measured = profile_keep(model, self.example_input, ranks,
-                                          extra_bn=self.extra_bn)
+                                          extra_bn=self.extra_bn, max_params=budget)
             keep = _agree(keep)  # timings differ across ranks: rank 0 decides for all
             self.decisions["keep_auto"] = {"keep": keep, "measurements": _agree(measured)}
             kwargs["keep"] += keep
@@ -191,7 +206,12 @@ class Recipe:
         """The automatic choices of the last switch as text, for the factorization report."""
         lines: list[str] = []
         if self.warmup_epochs == "auto" and self.switched:
-            lines.append(f"switch epoch (auto): {self.switched_at}")
+            d = self.detector
+            why = (f"the cap, {d.max_epochs:g}: stable ranks were still moving"
+                   if d.reason != "settled" else
+                   f"every stable rank changed < {d.threshold:g}/epoch over {d.window:g} "
+                   f"epoch(s) at epoch {d.switched_at:.2f}")
+            lines.append(f"switch epoch (auto): {self.switched_at} ({why})")
         ranks = self.decisions.get("ranks")
         if ranks and self.tracker is not None:
             now = self._latest[1] if self._latest is not None else {}
@@ -236,13 +256,22 @@ class Recipe:
             for t in times:
                 values = {k: v for k, points in self.tracker.history.items()
                           for tt, v in points if tt == t}
-                self._decided[t] = self.detector.update(t, values)
+                self.detector.update(t, values)
                 self._latest = (t, values)
 
     def switch(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
         """Factorize ``model`` and rebuild what depends on its parameters (see module docs)."""
         inner = _unwrap(model)
+        if self.warmup_epochs == "auto":
+            d = self.detector
+            self.decisions["switch"] = {
+                "epoch": epoch, "fired_at": d.switched_at, "reason": d.reason,
+                "threshold": d.threshold, "window": d.window, "max_epochs": d.max_epochs,
+                "change_per_epoch": {n: d.smoothed_change(n) for n in d.values}}
+        if self.tracker is not None:
+            self.decisions["stable_ranks"] = {"initial": dict(self.tracker.initial),
+                                              "history": dict(self.tracker.history)}
         self.report = factorize(inner, **self.factorize_kwargs(inner))
         self.switched_at = epoch
         if optimizer is not None:

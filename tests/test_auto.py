@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -7,6 +8,7 @@ from torch import nn
 from pufferfish.auto import (
     StableRankTracker,
     SwitchDetector,
+    budget_params,
     choose_ranks,
     frobenius_decay,
     frobenius_decay_params,
@@ -102,6 +104,40 @@ def test_switch_respects_min_and_max() -> None:
         detector.update(4, {"a": 1.0})
 
 
+def test_switch_time_does_not_depend_on_how_often_ranks_are_observed() -> None:
+    # The same decay observed once per epoch and four times per epoch, window 2 epochs: the test
+    # is a change per epoch, so both settle at about the same time.
+    def plateau(t: float) -> float:
+        return 10 + 20 * math.exp(-t)
+
+    def fire_time(per_epoch: int) -> float:
+        detector = SwitchDetector(window=2.0, threshold=0.05)
+        times = [i / per_epoch for i in range(12 * per_epoch)]
+        fired = [t for t in times if detector.update(t, {"a": plateau(t)})]
+        assert len(fired) == 1 and detector.reason == "settled"
+        return fired[0]
+
+    coarse, fine = fire_time(1), fire_time(4)
+    assert abs(coarse - fine) <= 1.0
+    # the rule by hand at the fine firing point: total relative change over the last 2 epochs / 2
+    pts = [plateau(fine - k / 4) for k in range(8, -1, -1)]
+    assert sum(abs(b - a) / a for a, b in itertools.pairwise(pts)) / 2 < 0.05
+
+
+def test_switch_sees_a_rank_that_rises_and_falls_back() -> None:
+    # Same value at both ends of every window, but moving 20% between observations: not settled.
+    zigzag = [10.0, 12.0] * 20
+    detector = SwitchDetector(window=1.0, threshold=0.05)
+    assert not any(detector.update(i / 4, {"a": v}) for i, v in enumerate(zigzag))
+    assert detector.smoothed_change("a") > 0.05
+
+
+def test_switch_window_must_be_positive() -> None:
+    for bad in (0, -1.0, True):
+        with pytest.raises(ValueError, match="window"):
+            SwitchDetector(window=bad)
+
+
 # ---------------------------------------------------------------- choose_ranks
 
 
@@ -169,6 +205,24 @@ def test_profile_keep_keeps_tiny_layer() -> None:
     assert info["2"]["decision"] == "keep" and "no parameter saving" in info["2"]["reason"]
     assert isinstance(model[0], nn.Linear)  # the model is untouched
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_profile_keep_gives_up_slow_layers_to_fit_a_parameter_budget() -> None:
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 4), nn.Linear(4, 4))
+    ranks = {"0": 64, "3": 1}
+    total = sum(p.numel() for p in model.parameters())
+    saving0 = 512 * 513 - (64 * (512 + 512) + 512)
+    saving3 = 20 - (4 + 4 + 4)
+    # Room for the tiny layer kept dense: it stays kept (it is slower factorized).
+    keep, info = profile_keep(model, torch.randn(8, 512), ranks, repeats=3,
+                              max_params=total - saving0)
+    assert keep == ["3"] and info["3"]["decision"] == "keep"
+    # No room: factorized after all, with the reason.
+    keep, info = profile_keep(model, torch.randn(8, 512), ranks, repeats=3,
+                              max_params=total - saving0 - saving3)
+    assert keep == [] and info["3"]["decision"] == "factorize"
+    assert "budget" in info["3"]["reason"] and info["3"]["speedup"] < 1.0
+    assert budget_params(model, 0.125, keep=["2"]) == total - saving0 - saving3  # ranks 64, 1
 
 
 def test_profile_keep_captures_conv_input_shape() -> None:

@@ -138,6 +138,39 @@ def test_lstm_mid_epoch_resume_carries_the_hidden_state(
     assert metrics(ref)[0]["train_loss"] == metrics(run)[0]["train_loss"]
 
 
+def test_resume_of_an_automatic_run_switches_as_uninterrupted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Killed mid-epoch during the automatic warm-up: the stable-rank record (observed every few
+    steps) is restored, so the switch happens at the same epoch with the same ranks."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(50)]
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(" ".join(rng.choices(words, k=12)) for _ in range(200)) + "\n")
+    args = ["--model", "lstm", "--width", "0.02", "--data", str(text), "--batch-size", "4",
+            "--bptt", "10", "--epochs", "3", "--mode", "pufferfish", "--warmup-epochs", "auto",
+            "--rank-ratio", "auto", "--max-rank-ratio", "1", "--lr", "1", "--threads", "1",
+            "--no-progress", "--checkpoint-every-steps", "4"]
+    ref, run, marker = tmp_path / "ref", tmp_path / "run", tmp_path / "killed"
+    assert cli(["train", *args, "--out", str(ref)], capsys)[0] == 0
+    killed = run_cli("train", *args, "--out", str(run), env={
+        "PUFFERFISH_KILL_AT_STEP": "70", "PUFFERFISH_KILL_MARKER": str(marker)})
+    assert killed.returncode == -9 and marker.exists()
+    code, out, err = cli(["train", *args, "--out", str(run), "--resume", "auto"], capsys)
+    assert code == 0, err
+    assert f"resumed from {run / 'checkpoints' / 'ckpt-000000068.pt'}" in out
+    a, b = (json.loads((d / "factorization.json").read_text()) for d in (ref, run))
+    assert a["epoch"] == b["epoch"] and a["layers"] == b["layers"]
+    assert a["decisions"]["switch"] == b["decisions"]["switch"]
+    assert a["decisions"]["stable_ranks"] == b["decisions"]["stable_ranks"]
+    ca, cb = latest_checkpoint(ref), latest_checkpoint(run)
+    assert ca is not None and cb is not None
+    for key, t in ca[0]["model"].items():
+        assert torch.equal(t, cb[0]["model"][key]), key
+
+
 # -- ranks must agree ------------------------------------------------------------------------
 
 @needs_fashion

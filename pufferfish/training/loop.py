@@ -328,6 +328,7 @@ def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, ru
         local_steps += 1
         state.global_step += 1
         state.step_in_epoch = i + 1
+        method.on_step_end(state.epoch, i + 1, steps, state.model)
         t0 = time.perf_counter()
         compute += t0 - t1
         bar.update(1)

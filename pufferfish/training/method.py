@@ -54,6 +54,9 @@ class Method:
         """
         return None
 
+    def on_step_end(self, epoch: int, step: int, steps: int, model: nn.Module) -> None:
+        """After optimizer step ``step`` (1-based) of ``steps`` in ``epoch``: observe, not change."""
+
     def extra_loss(self, model: nn.Module) -> torch.Tensor | None:
         return None
 

@@ -58,6 +58,8 @@ class PufferfishMethod(Method):
             example_input=example_input,
             min_warmup=cfg.min_warmup_epochs,
             max_warmup=cfg.max_warmup,
+            switch_threshold=cfg.switch_threshold,
+            switch_window=cfg.switch_window,
         )
         if self.recipe.detector is not None:
             self.recipe.observe(0, model)  # the stable ranks at initialization
@@ -75,11 +77,26 @@ class PufferfishMethod(Method):
         return Change("factorization", text + ("\n" + decided if decided else ""),
                       {"epoch": epoch, **report.to_dict(), "decisions": self.recipe.decisions})
 
+    def on_step_end(self, epoch: int, step: int, steps: int, model: nn.Module) -> None:
+        # Between epoch ends, feed the switch detector every N steps so that its window (in
+        # epochs) is covered by several observations even in short runs.
+        recipe = self.recipe
+        if recipe is None or recipe.warmup_epochs != "auto" or recipe.switched or step >= steps:
+            return
+        every = self.cfg.stable_rank_every_steps or max(1, steps // 4)
+        if step % every == 0:
+            recipe.observe(epoch + step / steps, model)
+
     def on_epoch_end(self, epoch: int, model: nn.Module) -> dict[str, Any]:
         assert self.recipe is not None
         row: dict[str, Any] = {"switch_epoch": self.recipe.switched_at}
-        if self.recipe.detector is not None and not self.recipe.switched:
+        detector = self.recipe.detector
+        if detector is not None and not self.recipe.switched:
             row["stable_ranks"] = self.recipe.observe(epoch + 1, model)
+            # how far from "settled" (switch_threshold) the slowest layer still is
+            change = max((detector.smoothed_change(n) for n in row["stable_ranks"]), default=None)
+            if change is not None and change != float("inf"):
+                row["stable_rank_change"] = change
         return row
 
     def state_dict(self) -> dict[str, Any]:
