@@ -23,15 +23,17 @@ def _numel(module: nn.Module) -> int:
 # ----------------------------------------------------------------------------------------- LSTM
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("input_size,num_layers,batch_first,bias,with_hx", [
     (3, 1, False, True, False),
     (7, 2, True, True, True),
     (5, 2, False, False, True),
     (7, 1, True, False, False),
 ])
-def test_lstm_full_rank_is_exact(input_size, num_layers, batch_first, bias, with_hx) -> None:
+def test_lstm_full_rank_is_exact(input_size, num_layers, batch_first, bias, with_hx,
+                                fused) -> None:
     dense = nn.LSTM(input_size, 5, num_layers=num_layers, batch_first=batch_first, bias=bias)
-    low = LowRankLSTM.from_dense(dense, LowRankLSTM.full_rank(dense))
+    low = LowRankLSTM.from_dense(dense, LowRankLSTM.full_rank(dense), fused=fused)
     x = torch.randn(2, 6, input_size) if batch_first else torch.randn(6, 2, input_size)
     hx = (torch.randn(num_layers, 2, 5), torch.randn(num_layers, 2, 5)) if with_hx else None
     out, (h, c) = low(x, hx)
@@ -89,6 +91,24 @@ def test_lstm_gradients_reach_every_factor() -> None:
     (out.square().sum() + h.sum() + c.sum()).backward()
     for name, p in low.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_lstm_fused_and_loop_kernels_agree_at_low_rank(batch_first: bool) -> None:
+    # The fused kernel on merged u @ v and the loop on the factors: same outputs, same gradients.
+    low = LowRankLSTM.from_dense(nn.LSTM(6, 8, num_layers=2, batch_first=batch_first), 3)
+    x = torch.randn(4, 7, 6, dtype=torch.float64)
+    low = low.double()
+    hx = (torch.randn(2, 4 if batch_first else 7, 8, dtype=torch.float64),) * 2
+    results = []
+    for fused in (True, False):
+        low.fused = fused
+        low.zero_grad()
+        out, (h, c) = low(x, hx)
+        (out.square().sum() + h.sum() + c.sum()).backward()
+        results.append([out, h, c, *(p.grad.clone() for p in low.parameters())])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_lstm_dropout_only_between_layers_in_training() -> None:

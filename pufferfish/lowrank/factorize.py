@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .base import LowRankModule, low_rank_class_for
+from .lstm import LowRankLSTM
 from .svd import rank_from_ratio
 
 __all__ = [
@@ -126,7 +127,8 @@ def count_macs(model: nn.Module, example_input: Any) -> int:
     fast path of ``nn.MultiheadAttention``/``TransformerEncoderLayer`` is switched off while
     counting (so attention is counted as its matmuls, like training runs it), and ``nn.LSTM``'s
     fused kernel, which the counter does not see, is counted analytically: per time step and layer
-    ``4h·(in + h)`` MACs.
+    ``4h·(in + h)`` MACs. The same goes for a :class:`LowRankLSTM` running that kernel on its
+    merged weights (``fused=True``), whose merges the counter does see.
     """
     flags = [(m, m.training) for m in model.modules()]
     lstm_macs = [0]
@@ -140,7 +142,7 @@ def count_macs(model: nn.Module, example_input: Any) -> int:
             width = h
 
     handles = [m.register_forward_hook(count_lstm) for m in model.modules()
-               if type(m) is nn.LSTM]
+               if type(m) is nn.LSTM or (isinstance(m, LowRankLSTM) and m.fused)]
     fastpath = torch.backends.mha.get_fastpath_enabled()
     model.eval()
     try:

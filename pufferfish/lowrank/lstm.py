@@ -9,6 +9,20 @@ Rank choice: one ``rank`` is asked for and every matrix gets ``min(rank, rows, c
 ``max(h, min(4h, input_size))``: the smallest rank at which every matrix is kept exactly, hence
 the rank at which the layer reproduces the dense LSTM. When ``input_size == hidden_size`` (the
 usual language-model case) that is simply ``h``.
+
+Two kernels compute the same function (``fused``, default True):
+
+- **fused**: merge each pair ``u @ v`` (one small matmul per matrix and forward pass), then run
+  the fused LSTM kernel that ``nn.LSTM`` runs (ATen's on CPU, cuDNN's on GPU). The recurrence
+  costs what the dense layer's does; what factorizing saves is parameters, i.e. the gradient
+  bytes DDP sends, which is Pufferfish's point. Why the default: the recurrence is a chain of
+  ``seq_len`` small steps, and a Python loop over them launches several kernels per step; on a
+  2-core CPU at the benchmark's sizes (h = 150, rank 38) the loop made the layer 3-5x slower than
+  the dense one in training, the fused kernel brings it back to the dense speed.
+- **loop** (``fused=False``): the input projections of the whole sequence at once, then a Python
+  loop over time steps with the two thin matmuls ``h @ v_hhᵀ @ u_hhᵀ``: ``r·(h + 4h)`` instead of
+  ``4h²`` MACs per step and layer. Worth it only where those MACs dominate the per-step overhead
+  (large ``h``, small rank); :func:`~pufferfish.count_macs` counts whichever kernel is set.
 """
 
 from __future__ import annotations
@@ -18,7 +32,7 @@ from typing import Self
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import _VF, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from .base import LowRankModule, register_low_rank
@@ -45,9 +59,8 @@ def _matrices(input_size: int, hidden_size: int, num_layers: int) -> list[tuple[
 class LowRankLSTM(LowRankModule):
     """Drop-in ``nn.LSTM`` (unidirectional, no projections) with rank-``rank`` gate weights.
 
-    Each layer computes the input projection of the whole sequence with one pair of matmuls
-    before the time loop, so the loop only evaluates the recurrent ``h @ v_hhᵀ @ u_hhᵀ``.
-    Factors are ``u_{ih,hh}_l{k}`` (``4h x r``) and ``v_{ih,hh}_l{k}`` (``r x cols``); biases
+    ``fused`` picks the kernel (see the module docs): True runs ``nn.LSTM``'s fused kernel on the
+    merged weights ``u @ v``; False a Python loop over time steps on the factors. Factors are ``u_{ih,hh}_l{k}`` (``4h x r``) and ``v_{ih,hh}_l{k}`` (``r x cols``); biases
     ``bias_{ih,hh}_l{k}`` as in ``nn.LSTM``. ``PackedSequence`` input is not supported.
     """
 
@@ -55,7 +68,7 @@ class LowRankLSTM(LowRankModule):
 
     def __init__(self, input_size: int, hidden_size: int, rank: int, num_layers: int = 1,
                  bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
-                 bidirectional: bool = False, proj_size: int = 0,
+                 bidirectional: bool = False, proj_size: int = 0, fused: bool = True,
                  device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         reason = _unsupported(bidirectional, proj_size)
@@ -65,7 +78,7 @@ class LowRankLSTM(LowRankModule):
             raise ValueError(f"rank {rank} is out of range: it must be at least 1")
         self.input_size, self.hidden_size, self.rank = input_size, hidden_size, rank
         self.num_layers, self.bias = num_layers, bias
-        self.batch_first, self.dropout = batch_first, dropout
+        self.batch_first, self.dropout, self.fused = batch_first, dropout, fused
         factory = {"device": device, "dtype": dtype}
         for suffix, rows, cols in _matrices(input_size, hidden_size, num_layers):
             r = min(rank, rows, cols)
@@ -110,6 +123,33 @@ class LowRankLSTM(LowRankModule):
             if tuple(state.shape) != expected:
                 raise RuntimeError(f"Expected {name} of shape {expected}, got {tuple(state.shape)}")
 
+        if self.fused:
+            output, h_n, c_n = self._fused(input, hx)
+        else:
+            output, h_n, c_n = self._loop(input, hx)
+        if not batched:
+            return output.squeeze(1), (h_n.squeeze(1), c_n.squeeze(1))
+        if self.batch_first:
+            output = output.transpose(0, 1)
+        return output, (h_n, c_n)
+
+    def _fused(self, input: torch.Tensor, hx: tuple[torch.Tensor, torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # The kernel nn.LSTM.forward calls, with nn.LSTM's weight order (w_ih, w_hh, b_ih, b_hh
+        # per layer); input is (seq, batch, features) here. Gradients reach the factors through
+        # the merge.
+        weights: list[torch.Tensor] = []
+        for k in range(self.num_layers):
+            for kind in ("ih", "hh"):
+                weights.append(getattr(self, f"u_{kind}_l{k}") @ getattr(self, f"v_{kind}_l{k}"))
+            if self.bias:
+                weights += [getattr(self, f"bias_ih_l{k}"), getattr(self, f"bias_hh_l{k}")]
+        output, h_n, c_n = _VF.lstm(input, hx, weights, self.bias, self.num_layers,
+                                    float(self.dropout), self.training, False, False)
+        return output, h_n, c_n
+
+    def _loop(self, input: torch.Tensor, hx: tuple[torch.Tensor, torch.Tensor]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         layer_input, h_n, c_n = input, [], []
         for k in range(self.num_layers):
             u_ih, v_ih = getattr(self, f"u_ih_l{k}"), getattr(self, f"v_ih_l{k}")
@@ -130,12 +170,7 @@ class LowRankLSTM(LowRankModule):
             h_n.append(h)
             c_n.append(c)
 
-        output, h_n, c_n = layer_input, torch.stack(h_n), torch.stack(c_n)
-        if not batched:
-            return output.squeeze(1), (h_n.squeeze(1), c_n.squeeze(1))
-        if self.batch_first:
-            output = output.transpose(0, 1)
-        return output, (h_n, c_n)
+        return layer_input, torch.stack(h_n), torch.stack(c_n)
 
     @classmethod
     def unsupported_reason(cls, dense: nn.LSTM) -> str | None:
@@ -159,7 +194,7 @@ class LowRankLSTM(LowRankModule):
         layer = cls(dense.input_size, dense.hidden_size, rank, num_layers=dense.num_layers,
                     bias=dense.bias, batch_first=dense.batch_first, dropout=dense.dropout,
                     bidirectional=dense.bidirectional, proj_size=dense.proj_size,
-                    device=w.device, dtype=w.dtype)
+                    fused=bool(options.get("fused", True)), device=w.device, dtype=w.dtype)
         with torch.no_grad():
             for suffix, rows, cols in _matrices(dense.input_size, dense.hidden_size,
                                                 dense.num_layers):
@@ -190,7 +225,7 @@ class LowRankLSTM(LowRankModule):
     def extra_repr(self) -> str:
         return (f"{self.input_size}, {self.hidden_size}, rank={self.rank}, "
                 f"num_layers={self.num_layers}, bias={self.bias}, "
-                f"batch_first={self.batch_first}, dropout={self.dropout}")
+                f"batch_first={self.batch_first}, dropout={self.dropout}, fused={self.fused}")
 
 
 register_low_rank(nn.LSTM, LowRankLSTM)

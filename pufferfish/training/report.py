@@ -5,6 +5,7 @@ Reads each run directory's ``metrics.jsonl`` and ``config.toml``; writes nothing
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,18 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
         "total_time": sum(r["epoch_time"] for r in rows),
         "bytes_per_step": last.get("comm_bytes_per_step", 0.0),
         "switch_epoch": last.get("switch_epoch"),
+        "stable_rank_history": _stable_rank_history(run_dir),
         "rows": rows,
     }
+
+
+def _stable_rank_history(run_dir: Path) -> dict[str, list[list[float]]] | None:
+    """Every stable-rank observation of an automatic run (several per epoch), if it switched."""
+    path = run_dir / "factorization.json"
+    if not path.exists():
+        return None
+    decisions = json.loads(path.read_text()).get("decisions") or {}
+    return (decisions.get("stable_ranks") or {}).get("history")
 
 
 def compare_runs(run_dirs: list[str], out: str | None = None) -> str:
@@ -115,13 +126,21 @@ def _plot(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 
 
 def _plot_stable_ranks(run: dict[str, Any], out_dir: Path, plt: Any) -> Path:
-    series: dict[str, list[tuple[int, float]]] = {}
-    for row in run["rows"]:
-        for name, value in (row.get("stable_ranks") or {}).items():
-            series.setdefault(name, []).append((row["epoch"], value))
+    """Stable rank per layer over epochs: every observation where the run recorded them
+    (``factorization.json``, from initialization to the switch), else the per-epoch rows."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    if run.get("stable_rank_history"):
+        series = {name: [(t, v) for t, v in points]
+                  for name, points in run["stable_rank_history"].items()}
+    else:
+        for row in run["rows"]:
+            for name, value in (row.get("stable_ranks") or {}).items():
+                series.setdefault(name, []).append((row["epoch"], value))
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, points in series.items():
         ax.plot(*zip(*points), label=name, lw=1)
+    if run["switch_epoch"]:
+        ax.axvline(run["switch_epoch"], ls=":", color="grey", label="switch")
     ax.set(xlabel="epoch", ylabel="stable rank", title=f"stable rank per layer: {run['run']}")
     if len(series) <= 12:
         ax.legend(fontsize=6)
