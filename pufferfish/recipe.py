@@ -207,7 +207,7 @@ class Recipe:
         lines: list[str] = []
         if self.warmup_epochs == "auto" and self.switched:
             d = self.detector
-            why = (f"the cap, {d.max_epochs:g}: stable ranks were still moving"
+            why = (f"reached the cap max_warmup={d.max_epochs:g} before every stable rank settled"
                    if d.reason != "settled" else
                    f"every stable rank changed < {d.threshold:g}/epoch over {d.window:g} "
                    f"epoch(s) at epoch {d.switched_at:.2f}")

@@ -183,6 +183,9 @@ def _write_idx(path: Path, magic: int, dims: list[int], payload: bytes) -> None:
     (["--epochs", "4", "--warmup-epochs", "auto", "--max-warmup-epochs", "4"],
      "max_warmup_epochs 4 are invalid with epochs 4"),
     (["--rank-ratio", "auto", "--max-rank-ratio", "0"], "max_rank_ratio 0.0 is out of range"),
+    (["--warmup-epochs", "auto", "--switch-window", "0"], "switch_window 0.0 is invalid"),
+    (["--warmup-epochs", "auto", "--switch-threshold", "-1"], "switch_threshold -1.0 is invalid"),
+    (["--stable-rank-every-steps", "-2"], "stable_rank_every_steps -2 is invalid"),
 ])
 def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
     result = run_cli("train", *TINY, *args, "--out", "/tmp/pufferfish-never-written")
