@@ -46,6 +46,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .lowrank import LowRankLSTM
 from .lowrank.base import LowRankModule, low_rank_class_for
 from .lowrank.factorize import factorizable_modules
 from .lowrank.svd import rank_from_ratio
@@ -465,6 +466,11 @@ def profile_keep(
     model (``model`` params minus the savings of the layers factorized) fits; a layer kept only
     because it was slower then costs parameters that lower-than-budget ranks elsewhere freed.
 
+    A :class:`~pufferfish.lowrank.LowRankLSTM` is timed with both of its kernels (``fused`` and
+    ``loop``); ``"kernel"`` names the faster, which the recipe then uses: the fused kernel wins at
+    small hidden sizes, where the loop's per-step overhead dominates, the loop at large ones, where
+    its 3x fewer MACs per step do (``benchmarks/lstm_kernels.py``).
+
     A layer whose rank saves no parameters is kept without timing; one that ``example_input``
     never calls is decided on parameters alone. Layers no key of ``ranks`` matches are not
     measured and not listed.
@@ -525,7 +531,16 @@ def profile_keep(
                 keep_names.append(name)
             continue
         low = cls.from_dense(module, r, extra_bn=extra_bn)
-        dense_ms, low_ms = _time_pair(copy.deepcopy(module), low, *captured, repeats, warmup)
+        if isinstance(low, LowRankLSTM):  # two kernels: keep the faster one on these shapes
+            loop = copy.deepcopy(low)
+            loop.fused = False
+            dense_ms, fused_ms, loop_ms = _time_steps([copy.deepcopy(module), low, loop],
+                                                      *captured, repeats, warmup)
+            m["kernel"] = "loop" if loop_ms < fused_ms else "fused"
+            m["kernel_ms"] = {"fused": fused_ms, "loop": loop_ms}
+            low_ms = min(fused_ms, loop_ms)
+        else:
+            dense_ms, low_ms = _time_steps([copy.deepcopy(module), low], *captured, repeats, warmup)
         speedup = dense_ms / low_ms if low_ms > 0 else math.inf
         m.update(dense_ms=dense_ms, lowrank_ms=low_ms, speedup=speedup)
         faster, big = speedup >= min_speedup, share >= min_param_share
@@ -617,13 +632,13 @@ def _capture_inputs(model: nn.Module, example_input: Any, modules: list[nn.Modul
     return captured
 
 
-def _time_pair(dense: nn.Module, low: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-               repeats: int, warmup: int) -> tuple[float, float]:
-    """Median milliseconds of one forward + backward step of ``dense`` and of ``low``."""
-    dense.train()
-    low.train()
+def _time_steps(layers: list[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any],
+                repeats: int, warmup: int) -> list[float]:
+    """Median milliseconds of one forward + backward step of each layer, timed interleaved."""
+    for layer in layers:
+        layer.train()
     leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
-    device = next(dense.parameters()).device
+    device = next(layers[0].parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
 
     def step(layer: nn.Module) -> None:
@@ -645,15 +660,15 @@ def _time_pair(dense: nn.Module, low: nn.Module, args: tuple[Any, ...], kwargs: 
 
     with torch.enable_grad():
         for _ in range(max(0, warmup)):
-            step(dense)
-            step(low)
-        single = max(run(dense, 1), run(low, 1), 1e-7)
+            for layer in layers:
+                step(layer)
+        single = max(max(run(layer, 1) for layer in layers), 1e-7)
         number = max(1, min(1000, math.ceil(_MIN_REPEAT_S / single)))
-        dense_s, low_s = [], []
+        times: list[list[float]] = [[] for _ in layers]
         for _ in range(repeats):
-            dense_s.append(run(dense, number) / number)
-            low_s.append(run(low, number) / number)
-    return statistics.median(dense_s) * 1e3, statistics.median(low_s) * 1e3
+            for layer, record in zip(layers, times, strict=True):
+                record.append(run(layer, number) / number)
+    return [statistics.median(record) * 1e3 for record in times]
 
 
 # --------------------------------------------------------------------------------------------

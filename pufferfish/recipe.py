@@ -229,7 +229,9 @@ class Recipe:
             fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
             rows += [(n, str(m.get("rank")), fmt(m.get("dense_ms"), ".3f"),
                       fmt(m.get("lowrank_ms"), ".3f"), fmt(m.get("speedup"), ".2f"),
-                      fmt(m.get("param_saving_share"), ".2%"), str(m.get("decision")))
+                      fmt(m.get("param_saving_share"), ".2%"),
+                      str(m.get("decision")) + (f" ({m['kernel']} kernel)" if m.get("kernel")
+                                                else ""))
                      for n, m in measured.items()]
             lines += format_table(rows, indent="  ")
         return "\n".join(lines)
@@ -273,6 +275,10 @@ class Recipe:
             self.decisions["stable_ranks"] = {"initial": dict(self.tracker.initial),
                                               "history": dict(self.tracker.history)}
         self.report = factorize(inner, **self.factorize_kwargs(inner))
+        measured = (self.decisions.get("keep_auto") or {}).get("measurements") or {}
+        for name, m in measured.items():  # the LSTM kernel the profile found faster
+            if m.get("kernel") and m["decision"] == "factorize":
+                inner.get_submodule(name).fused = m["kernel"] == "fused"
         self.switched_at = epoch
         if optimizer is not None:
             optimizer = rebuild_optimizer(optimizer, inner, self.param_groups)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+import pufferfish as pf
 from pufferfish.auto import (
     StableRankTracker,
     SwitchDetector,
@@ -18,7 +19,7 @@ from pufferfish.auto import (
     saving_cap,
     stable_rank,
 )
-from pufferfish.lowrank import LowRankConv2d, LowRankLinear, factorize
+from pufferfish.lowrank import LowRankConv2d, LowRankLinear, LowRankLSTM, factorize
 from pufferfish.lowrank.factorize import factorizable_modules
 
 # ---------------------------------------------------------------- stable rank
@@ -223,6 +224,31 @@ def test_profile_keep_gives_up_slow_layers_to_fit_a_parameter_budget() -> None:
     assert keep == [] and info["3"]["decision"] == "factorize"
     assert "budget" in info["3"]["reason"] and info["3"]["speedup"] < 1.0
     assert budget_params(model, 0.125, keep=["2"]) == total - saving0 - saving3  # ranks 64, 1
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(24, 24, num_layers=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+def test_profile_keep_times_both_lstm_kernels_and_the_recipe_uses_the_faster() -> None:
+    x = torch.randn(12, 4, 24)
+    model = _Recurrent()
+    _, info = profile_keep(model, x, {"rnn": 6}, repeats=3)
+    m = info["rnn"]
+    assert set(m["kernel_ms"]) == {"fused", "loop"} and all(v > 0 for v in m["kernel_ms"].values())
+    assert m["kernel"] == min(m["kernel_ms"], key=m["kernel_ms"].get)
+    assert m["lowrank_ms"] == min(m["kernel_ms"].values())
+    recipe = pf.Recipe(warmup_epochs=0, rank_ratio=0.25, keep="auto", example_input=x)
+    recipe.switch(0, model, None)
+    chosen = recipe.decisions["keep_auto"]["measurements"]["rnn"]
+    assert isinstance(model.rnn, LowRankLSTM) and chosen["decision"] == "factorize"
+    assert model.rnn.fused == (chosen["kernel"] == "fused")
+    assert f"({chosen['kernel']} kernel)" in recipe.describe_decisions()
 
 
 def test_profile_keep_captures_conv_input_shape() -> None:

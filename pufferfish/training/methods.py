@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from ..config import TrainConfig
-from ..lowrank import factorize
+from ..lowrank import LowRankLSTM, factorize
 from ..recipe import Recipe
 from .method import Change, FullRank, Method
 
@@ -45,6 +45,7 @@ class PufferfishMethod(Method):
         self.cfg = cfg
         self.recipe: Recipe | None = None
         self.ranks: dict[str, int] = {}  # of the factorized modules, to rebuild them on resume
+        self.kernels: dict[str, bool] = {}  # LowRankLSTM name -> fused, likewise
 
     def setup(self, model: nn.Module, example_input: Any, cfg: TrainConfig) -> None:
         self.recipe = Recipe(
@@ -72,6 +73,7 @@ class PufferfishMethod(Method):
         report = self.recipe.report
         assert report is not None
         self.ranks = report.ranks
+        self.kernels = {n: m.fused for n, m in model.named_modules() if isinstance(m, LowRankLSTM)}
         text = f"switching to the low-rank model at epoch {epoch}:\n{report}"
         decided = self.recipe.describe_decisions()
         return Change("factorization", text + ("\n" + decided if decided else ""),
@@ -101,13 +103,16 @@ class PufferfishMethod(Method):
 
     def state_dict(self) -> dict[str, Any]:
         assert self.recipe is not None
-        return {"recipe": self.recipe.state_dict(), "ranks": self.ranks}
+        return {"recipe": self.recipe.state_dict(), "ranks": self.ranks, "kernels": self.kernels}
 
     def restore(self, state: dict[str, Any], model: nn.Module) -> None:
         assert self.recipe is not None
         if state["ranks"]:  # rebuild the exact factorized architecture
             factorize(model, include=list(state["ranks"]), overrides=state["ranks"],
                       rank_ratio=1.0, extra_bn=self.cfg.extra_bn)
+        for name, fused in state.get("kernels", {}).items():
+            model.get_submodule(name).fused = fused
+        self.kernels = dict(state.get("kernels", {}))
         self.recipe.load_state_dict(state["recipe"], model)
         self.ranks = dict(state["ranks"])
 
