@@ -63,6 +63,7 @@ __all__ = [
     "profile_keep",
     "saving_cap",
     "stable_rank",
+    "time_lstm_kernels",
 ]
 
 
@@ -466,10 +467,8 @@ def profile_keep(
     model (``model`` params minus the savings of the layers factorized) fits; a layer kept only
     because it was slower then costs parameters that lower-than-budget ranks elsewhere freed.
 
-    A :class:`~pufferfish.lowrank.LowRankLSTM` is timed with both of its kernels (``fused`` and
-    ``loop``); ``"kernel"`` names the faster, which the recipe then uses: the fused kernel wins at
-    small hidden sizes, where the loop's per-step overhead dominates, the loop at large ones, where
-    its 3x fewer MACs per step do (``benchmarks/lstm_kernels.py``).
+    A :class:`~pufferfish.lowrank.LowRankLSTM` is timed with both of its kernels (``kernel_ms``)
+    and judged by the faster, which the recipe will run (:func:`time_lstm_kernels`).
 
     A layer whose rank saves no parameters is kept without timing; one that ``example_input``
     never calls is decided on parameters alone. Layers no key of ``ranks`` matches are not
@@ -531,12 +530,11 @@ def profile_keep(
                 keep_names.append(name)
             continue
         low = cls.from_dense(module, r, extra_bn=extra_bn)
-        if isinstance(low, LowRankLSTM):  # two kernels: keep the faster one on these shapes
+        if isinstance(low, LowRankLSTM):  # judged by the faster of its two kernels
             loop = copy.deepcopy(low)
-            loop.fused = False
+            low.fused, loop.fused = True, False
             dense_ms, fused_ms, loop_ms = _time_steps([copy.deepcopy(module), low, loop],
                                                       *captured, repeats, warmup)
-            m["kernel"] = "loop" if loop_ms < fused_ms else "fused"
             m["kernel_ms"] = {"fused": fused_ms, "loop": loop_ms}
             low_ms = min(fused_ms, loop_ms)
         else:
@@ -557,6 +555,38 @@ def profile_keep(
     if max_params is not None:
         _fit_budget(keep_names, measurements, total, max_params)
     return keep_names, measurements
+
+
+def time_lstm_kernels(model: nn.Module, example_input: Any, repeats: int = 5,
+                      warmup: int = 2) -> dict[str, dict[str, Any]]:
+    """Time every :class:`~pufferfish.lowrank.LowRankLSTM` of ``model`` with both kernels.
+
+    Why: the two kernels compute the same function at very different costs depending on the
+    device and the sizes (see :mod:`pufferfish.lowrank.lstm`); like ``cudnn.benchmark``, the only
+    reliable choice is a measurement on the shapes the run uses. Forward + backward in train
+    mode on the input each layer receives from ``example_input``, interleaved, median of
+    ``repeats``. Nothing is changed: the caller sets ``module.fused`` (the recipe does, with
+    rank 0's answer, so that every replica runs the same kernel).
+
+    Returns:
+        name -> ``{"kernel": "fused" | "loop", "fused_ms", "loop_ms"}``, for each LowRankLSTM
+        that ``example_input`` reaches.
+    """
+    lstms = {name: m for name, m in model.named_modules() if isinstance(m, LowRankLSTM)}
+    if not lstms:
+        return {}
+    inputs = _capture_inputs(model, example_input, list(lstms.values()))
+    found: dict[str, dict[str, Any]] = {}
+    for name, module in lstms.items():
+        captured = inputs.get(id(module))
+        if captured is None:
+            continue
+        fused, loop = copy.deepcopy(module), copy.deepcopy(module)
+        fused.fused, loop.fused = True, False
+        fused_ms, loop_ms = _time_steps([fused, loop], *captured, repeats, warmup)
+        found[name] = {"kernel": "fused" if fused_ms <= loop_ms else "loop",
+                       "fused_ms": fused_ms, "loop_ms": loop_ms}
+    return found
 
 
 def _fit_budget(keep_names: list[str], measurements: dict[str, dict[str, Any]], total: int,

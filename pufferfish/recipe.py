@@ -229,11 +229,12 @@ class Recipe:
             fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
             rows += [(n, str(m.get("rank")), fmt(m.get("dense_ms"), ".3f"),
                       fmt(m.get("lowrank_ms"), ".3f"), fmt(m.get("speedup"), ".2f"),
-                      fmt(m.get("param_saving_share"), ".2%"),
-                      str(m.get("decision")) + (f" ({m['kernel']} kernel)" if m.get("kernel")
-                                                else ""))
+                      fmt(m.get("param_saving_share"), ".2%"), str(m.get("decision")))
                      for n, m in measured.items()]
             lines += format_table(rows, indent="  ")
+        for name, k in (self.decisions.get("lstm_kernels") or {}).items():
+            lines.append(f"LSTM kernel of {name} (forward+backward on this run's shapes): fused "
+                         f"{k['fused_ms']:.3f} ms, loop {k['loop_ms']:.3f} ms -> {k['kernel']}")
         return "\n".join(lines)
 
     def state_dict(self) -> dict[str, Any]:
@@ -275,10 +276,16 @@ class Recipe:
             self.decisions["stable_ranks"] = {"initial": dict(self.tracker.initial),
                                               "history": dict(self.tracker.history)}
         self.report = factorize(inner, **self.factorize_kwargs(inner))
-        measured = (self.decisions.get("keep_auto") or {}).get("measurements") or {}
-        for name, m in measured.items():  # the LSTM kernel the profile found faster
-            if m.get("kernel") and m["decision"] == "factorize":
-                inner.get_submodule(name).fused = m["kernel"] == "fused"
+        if self.example_input is not None:
+            from .auto import time_lstm_kernels
+
+            # Same function, device- and size-dependent cost: run the faster kernel (rank 0's
+            # timing, so that every replica runs the same one).
+            kernels = _agree(time_lstm_kernels(inner, self.example_input))
+            for name, k in kernels.items():
+                inner.get_submodule(name).fused = k["kernel"] == "fused"
+            if kernels:
+                self.decisions["lstm_kernels"] = kernels
         self.switched_at = epoch
         if optimizer is not None:
             optimizer = rebuild_optimizer(optimizer, inner, self.param_groups)

@@ -18,6 +18,7 @@ from pufferfish.auto import (
     profile_keep,
     saving_cap,
     stable_rank,
+    time_lstm_kernels,
 )
 from pufferfish.lowrank import LowRankConv2d, LowRankLinear, LowRankLSTM, factorize
 from pufferfish.lowrank.factorize import factorizable_modules
@@ -235,20 +236,25 @@ class _Recurrent(nn.Module):
         return self.rnn(x)[0]
 
 
-def test_profile_keep_times_both_lstm_kernels_and_the_recipe_uses_the_faster() -> None:
+def test_lstm_kernels_are_timed_and_the_recipe_runs_the_faster() -> None:
     x = torch.randn(12, 4, 24)
     model = _Recurrent()
     _, info = profile_keep(model, x, {"rnn": 6}, repeats=3)
-    m = info["rnn"]
-    assert set(m["kernel_ms"]) == {"fused", "loop"} and all(v > 0 for v in m["kernel_ms"].values())
-    assert m["kernel"] == min(m["kernel_ms"], key=m["kernel_ms"].get)
-    assert m["lowrank_ms"] == min(m["kernel_ms"].values())
-    recipe = pf.Recipe(warmup_epochs=0, rank_ratio=0.25, keep="auto", example_input=x)
+    m = info["rnn"]  # judged by the faster of the two kernels
+    assert set(m["kernel_ms"]) == {"fused", "loop"} and m["lowrank_ms"] == min(m["kernel_ms"].values())
+    assert time_lstm_kernels(model, x) == {}  # nothing factorized yet
+    recipe = pf.Recipe(warmup_epochs=0, rank_ratio=0.25, example_input=x)
     recipe.switch(0, model, None)
-    chosen = recipe.decisions["keep_auto"]["measurements"]["rnn"]
-    assert isinstance(model.rnn, LowRankLSTM) and chosen["decision"] == "factorize"
+    assert isinstance(model.rnn, LowRankLSTM)
+    chosen = recipe.decisions["lstm_kernels"]["rnn"]
+    assert chosen["fused_ms"] > 0 and chosen["loop_ms"] > 0
+    assert chosen["kernel"] == ("fused" if chosen["fused_ms"] <= chosen["loop_ms"] else "loop")
     assert model.rnn.fused == (chosen["kernel"] == "fused")
-    assert f"({chosen['kernel']} kernel)" in recipe.describe_decisions()
+    assert f"-> {chosen['kernel']}" in recipe.describe_decisions()
+    # Either kernel, the MAC count is the factorized arithmetic's.
+    macs = pf.count_macs(model, x)
+    model.rnn.fused = not model.rnn.fused
+    assert pf.count_macs(model, x) == macs
 
 
 def test_profile_keep_captures_conv_input_shape() -> None:

@@ -127,8 +127,9 @@ def count_macs(model: nn.Module, example_input: Any) -> int:
     fast path of ``nn.MultiheadAttention``/``TransformerEncoderLayer`` is switched off while
     counting (so attention is counted as its matmuls, like training runs it), and ``nn.LSTM``'s
     fused kernel, which the counter does not see, is counted analytically: per time step and layer
-    ``4h·(in + h)`` MACs. The same goes for a :class:`LowRankLSTM` running that kernel on its
-    merged weights (``fused=True``), whose merges the counter does see.
+    ``4h·(in + h)`` MACs. A :class:`LowRankLSTM` is counted as its factorized arithmetic (its loop
+    kernel, run while counting), whichever kernel it trains with: the fused kernel is an execution
+    choice made by timing, not a different model.
     """
     flags = [(m, m.training) for m in model.modules()]
     lstm_macs = [0]
@@ -142,15 +143,20 @@ def count_macs(model: nn.Module, example_input: Any) -> int:
             width = h
 
     handles = [m.register_forward_hook(count_lstm) for m in model.modules()
-               if type(m) is nn.LSTM or (isinstance(m, LowRankLSTM) and m.fused)]
+               if type(m) is nn.LSTM]
+    kernels = [(m, m.fused) for m in model.modules() if isinstance(m, LowRankLSTM)]
     fastpath = torch.backends.mha.get_fastpath_enabled()
     model.eval()
     try:
         torch.backends.mha.set_fastpath_enabled(False)
+        for m, _ in kernels:
+            m.fused = False
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             _call(model, example_input)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
+        for m, fused in kernels:
+            m.fused = fused
         for handle in handles:
             handle.remove()
         for m, training in flags:

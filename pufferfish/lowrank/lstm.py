@@ -10,19 +10,24 @@ Rank choice: one ``rank`` is asked for and every matrix gets ``min(rank, rows, c
 the rank at which the layer reproduces the dense LSTM. When ``input_size == hidden_size`` (the
 usual language-model case) that is simply ``h``.
 
-Two kernels compute the same function (``fused``, default True):
+Two kernels compute the same function (``fused``, default False):
 
 - **fused**: merge each pair ``u @ v`` (one small matmul per matrix and forward pass), then run
   the fused LSTM kernel that ``nn.LSTM`` runs (ATen's on CPU, cuDNN's on GPU). The recurrence
   costs what the dense layer's does; what factorizing saves is parameters, i.e. the gradient
-  bytes DDP sends, which is Pufferfish's point. Why the default: the recurrence is a chain of
-  ``seq_len`` small steps, and a Python loop over them launches several kernels per step; on a
-  2-core CPU at the benchmark's sizes (h = 150, rank 38) the loop made the layer 3-5x slower than
-  the dense one in training, the fused kernel brings it back to the dense speed.
-- **loop** (``fused=False``): the input projections of the whole sequence at once, then a Python
-  loop over time steps with the two thin matmuls ``h @ v_hhᵀ @ u_hhᵀ``: ``r·(h + 4h)`` instead of
-  ``4h²`` MACs per step and layer. Worth it only where those MACs dominate the per-step overhead
-  (large ``h``, small rank); :func:`~pufferfish.count_macs` counts whichever kernel is set.
+  bytes DDP sends, which is Pufferfish's point. It wins where the recurrence's per-step overhead
+  dominates: a Python loop over ``seq_len`` small steps launches several kernels per step (on a
+  2-core CPU at h = 150, rank 38, the loop trains 1.5x slower than the dense layer, the fused
+  kernel at its speed).
+- **loop** (default): the input projections of the whole sequence at once, then a Python loop
+  over time steps with the two thin matmuls ``h @ v_hhᵀ @ u_hhᵀ``: ``r·(in + 4h)`` instead of
+  ``4h·in`` MACs per step and matrix, the arithmetic the paper counts. It wins where those MACs
+  dominate (same CPU, h = 650 and 1500: 0.46x and 0.35x the dense time; the fused kernel 1.6x
+  and 1.3x, as the merges cost ``4h·in·r`` per forward pass).
+
+``benchmarks/lstm_kernels.py`` measures both; the training recipe times both on the run's real
+shapes at the switch and keeps the faster (:func:`pufferfish.auto.time_lstm_kernels`).
+:func:`~pufferfish.count_macs` counts the factorized arithmetic (the loop's) whichever is set.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ class LowRankLSTM(LowRankModule):
 
     def __init__(self, input_size: int, hidden_size: int, rank: int, num_layers: int = 1,
                  bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
-                 bidirectional: bool = False, proj_size: int = 0, fused: bool = True,
+                 bidirectional: bool = False, proj_size: int = 0, fused: bool = False,
                  device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         reason = _unsupported(bidirectional, proj_size)
@@ -194,7 +199,7 @@ class LowRankLSTM(LowRankModule):
         layer = cls(dense.input_size, dense.hidden_size, rank, num_layers=dense.num_layers,
                     bias=dense.bias, batch_first=dense.batch_first, dropout=dense.dropout,
                     bidirectional=dense.bidirectional, proj_size=dense.proj_size,
-                    fused=bool(options.get("fused", True)), device=w.device, dtype=w.dtype)
+                    fused=bool(options.get("fused", False)), device=w.device, dtype=w.dtype)
         with torch.no_grad():
             for suffix, rows, cols in _matrices(dense.input_size, dense.hidden_size,
                                                 dense.num_layers):
