@@ -20,7 +20,10 @@ Use it from your own loop::
 
 ``warmup_epochs="auto"`` switches when every layer's stable rank has settled, ``rank_ratio="auto"``
 picks per-layer ranks from the stable ranks, ``keep="auto"`` profiles each layer and keeps those
-that factorizing does not make cheaper (see :mod:`pufferfish.auto`).
+that factorizing does not make cheaper (see :mod:`pufferfish.auto`). With ``warmup_epochs="auto"``,
+also call ``recipe.observe(epoch + step / steps, model)`` a few times per epoch (the CLI does, 4
+times): the plateau test is a change per epoch over a 1-epoch window, and observations within it
+average out noise and catch a rank that moves and comes back.
 """
 
 from __future__ import annotations
