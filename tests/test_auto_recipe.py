@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training import TINY, metrics, needs_fashion, run_cli
+from test_training import TINY, metrics, needs_fashion, run_cli, tiny_lm_args
 from torch import nn
 
 import pufferfish as pf
@@ -90,17 +90,10 @@ def test_cli_fully_automatic_run(tmp_path: Path) -> None:
 def test_two_process_automatic_lm_run_agrees_on_every_decision(tmp_path: Path) -> None:
     """Timings differ per process: ranks, kept layers and the LSTM kernel are rank 0's on both
     (a disagreement on ranks would stop DDP; on the kernel, silently cost speed)."""
-    import random
-
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(50)]
-    text = tmp_path / "corpus.txt"
-    text.write_text("\n".join(" ".join(rng.choices(words, k=12)) for _ in range(200)) + "\n")
     out = tmp_path / "run"
-    result = run_cli("train", "--model", "lstm", "--width", "0.02", "--data", str(text),
-                     "--batch-size", "4", "--bptt", "10", "--epochs", "3", "--lr", "1",
-                     "--threads", "1", "--no-progress", "--warmup-epochs", "auto",
-                     "--rank-ratio", "auto", "--keep", "auto", "--out", str(out), torchrun=2)
+    result = run_cli("train", *tiny_lm_args(tmp_path, "--epochs", "3", "--warmup-epochs", "auto",
+                                            "--rank-ratio", "auto", "--keep", "auto"),
+                     "--out", str(out), torchrun=2)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads((out / "factorization.json").read_text())
     kernel = record["decisions"]["lstm_kernels"]["rnn"]["kernel"]

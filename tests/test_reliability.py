@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_training import free_port, metrics, needs_fashion, run_cli
+from test_training import free_port, metrics, needs_fashion, run_cli, tiny_lm_args
 
 from pufferfish.cli import main
 from pufferfish.config import TrainConfig, dump_toml
@@ -111,30 +111,30 @@ def test_elastic_restart_gives_the_same_final_state(uninterrupted: Path, tmp_pat
             {k: v for k, v in y.items() if k not in TIMES}
 
 
-def test_lstm_mid_epoch_resume_carries_the_hidden_state(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The LSTM's hidden state crosses BPTT chunks; a mid-epoch checkpoint must carry it."""
-    import random
-
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(50)]
-    text = tmp_path / "corpus.txt"
-    text.write_text("\n".join(" ".join(rng.choices(words, k=12)) for _ in range(200)) + "\n")
-    args = ["--model", "lstm", "--width", "0.02", "--data", str(text), "--batch-size", "4",
-            "--bptt", "10", "--epochs", "1", "--mode", "full", "--lr", "1", "--threads", "1",
-            "--no-progress", "--checkpoint-every-steps", "4"]
+def _killed_and_resumed(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                        kill_at: int, resumed_from: str) -> tuple[Path, Path]:
+    """An uninterrupted run, and the same run SIGKILLed before step ``kill_at`` then resumed."""
     ref, run, marker = tmp_path / "ref", tmp_path / "run", tmp_path / "killed"
     assert cli(["train", *args, "--out", str(ref)], capsys)[0] == 0
     killed = run_cli("train", *args, "--out", str(run), env={
-        "PUFFERFISH_KILL_AT_STEP": "10", "PUFFERFISH_KILL_MARKER": str(marker)})
+        "PUFFERFISH_KILL_AT_STEP": str(kill_at), "PUFFERFISH_KILL_MARKER": str(marker)})
     assert killed.returncode == -9 and marker.exists()
     code, out, err = cli(["train", *args, "--out", str(run), "--resume", "auto"], capsys)
     assert code == 0, err
-    assert f"resumed from {run / 'checkpoints' / 'ckpt-000000008.pt'}" in out
+    assert f"resumed from {run / 'checkpoints' / resumed_from}" in out
     a, b = latest_checkpoint(ref), latest_checkpoint(run)
     assert a is not None and b is not None
     for key, t in a[0]["model"].items():
         assert torch.equal(t, b[0]["model"][key]), key
+    return ref, run
+
+
+def test_lstm_mid_epoch_resume_carries_the_hidden_state(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The LSTM's hidden state crosses BPTT chunks; a mid-epoch checkpoint must carry it."""
+    args = tiny_lm_args(tmp_path, "--epochs", "1", "--mode", "full",
+                        "--checkpoint-every-steps", "4")
+    ref, run = _killed_and_resumed(args, tmp_path, capsys, 10, "ckpt-000000008.pt")
     assert metrics(ref)[0]["train_loss"] == metrics(run)[0]["train_loss"]
 
 
@@ -142,33 +142,14 @@ def test_resume_of_an_automatic_run_switches_as_uninterrupted(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Killed mid-epoch during the automatic warm-up: the stable-rank record (observed every few
     steps) is restored, so the switch happens at the same epoch with the same ranks."""
-    import json
-    import random
-
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(50)]
-    text = tmp_path / "corpus.txt"
-    text.write_text("\n".join(" ".join(rng.choices(words, k=12)) for _ in range(200)) + "\n")
-    args = ["--model", "lstm", "--width", "0.02", "--data", str(text), "--batch-size", "4",
-            "--bptt", "10", "--epochs", "3", "--mode", "pufferfish", "--warmup-epochs", "auto",
-            "--rank-ratio", "auto", "--max-rank-ratio", "1", "--lr", "1", "--threads", "1",
-            "--no-progress", "--checkpoint-every-steps", "4"]
-    ref, run, marker = tmp_path / "ref", tmp_path / "run", tmp_path / "killed"
-    assert cli(["train", *args, "--out", str(ref)], capsys)[0] == 0
-    killed = run_cli("train", *args, "--out", str(run), env={
-        "PUFFERFISH_KILL_AT_STEP": "70", "PUFFERFISH_KILL_MARKER": str(marker)})
-    assert killed.returncode == -9 and marker.exists()
-    code, out, err = cli(["train", *args, "--out", str(run), "--resume", "auto"], capsys)
-    assert code == 0, err
-    assert f"resumed from {run / 'checkpoints' / 'ckpt-000000068.pt'}" in out
+    args = tiny_lm_args(tmp_path, "--epochs", "3", "--mode", "pufferfish", "--warmup-epochs",
+                        "auto", "--rank-ratio", "auto", "--max-rank-ratio", "1",
+                        "--checkpoint-every-steps", "4")
+    ref, run = _killed_and_resumed(args, tmp_path, capsys, 70, "ckpt-000000068.pt")
     a, b = (json.loads((d / "factorization.json").read_text()) for d in (ref, run))
     assert a["epoch"] == b["epoch"] and a["layers"] == b["layers"]
     assert a["decisions"]["switch"] == b["decisions"]["switch"]
     assert a["decisions"]["stable_ranks"] == b["decisions"]["stable_ranks"]
-    ca, cb = latest_checkpoint(ref), latest_checkpoint(run)
-    assert ca is not None and cb is not None
-    for key, t in ca[0]["model"].items():
-        assert torch.equal(t, cb[0]["model"][key]), key
 
 
 # -- ranks must agree ------------------------------------------------------------------------

@@ -44,6 +44,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tiny_corpus(tmp_path: Path) -> Path:
+    """A 2,400-word text file of 50 made-up words: a language model's data in milliseconds."""
+    import random
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(50)]
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(" ".join(rng.choices(words, k=12)) for _ in range(200)) + "\n")
+    return text
+
+
+def tiny_lm_args(tmp_path: Path, *extra: str) -> list[str]:
+    """`pufferfish train` flags for a tiny 2-layer LSTM on :func:`tiny_corpus` (60 steps/epoch)."""
+    return ["--model", "lstm", "--width", "0.02", "--data", str(tiny_corpus(tmp_path)),
+            "--batch-size", "4", "--bptt", "10", "--lr", "1", "--threads", "1", "--no-progress",
+            *extra]
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
