@@ -247,10 +247,6 @@ class SwitchDetector:
         self.switched_at: float | None = None
         self.reason: str | None = None  # "settled" or "cap", once fired
 
-    @property
-    def last_t(self) -> float | None:
-        return self.times[-1] if self.times else None
-
     def smoothed_change(self, name: str) -> float:
         """``D_t`` of layer ``name`` at the last observation; ``inf`` until the window is full."""
         s = self.values.get(name, [])
@@ -259,7 +255,7 @@ class SwitchDetector:
         times = self.times[-len(s):]
         since = times[-1] - self.window
         j = max((i for i, t in enumerate(times) if t <= since + 1e-9), default=None)
-        if j is None or j == len(s) - 1:
+        if j is None:  # (j < len(s) - 1 always: the window is > 0)
             return math.inf
         changes = [_relative_change(a, b) for a, b in pairwise(s[j:])]
         return sum(changes) / (times[-1] - times[j])

@@ -17,13 +17,13 @@ Two kernels compute the same function (``fused``, default False):
   costs what the dense layer's does; what factorizing saves is parameters, i.e. the gradient
   bytes DDP sends, which is Pufferfish's point. It wins where the recurrence's per-step overhead
   dominates: a Python loop over ``seq_len`` small steps launches several kernels per step (on a
-  2-core CPU at h = 150, rank 38, the loop trains 1.5x slower than the dense layer, the fused
-  kernel at its speed).
+  2-core CPU at h = 150, rank 38, the loop trains 1.7x slower than the dense layer, the fused
+  kernel about at its speed).
 - **loop** (default): the input projections of the whole sequence at once, then a Python loop
   over time steps with the two thin matmuls ``h @ v_hhᵀ @ u_hhᵀ``: ``r·(in + 4h)`` instead of
   ``4h·in`` MACs per step and matrix, the arithmetic the paper counts. It wins where those MACs
-  dominate (same CPU, h = 650 and 1500: 0.46x and 0.35x the dense time; the fused kernel 1.6x
-  and 1.3x, as the merges cost ``4h·in·r`` per forward pass).
+  dominate (same CPU, h = 650 and 1500: 0.63x and 0.37x the dense time; the fused kernel 1.18x
+  and 1.30x, as the merges cost ``4h·in·r`` per forward pass; docs/benchmarks.md).
 
 ``benchmarks/lstm_kernels.py`` measures both; the training recipe times both on the run's real
 shapes at the switch and keeps the faster (:func:`pufferfish.auto.time_lstm_kernels`).
@@ -65,7 +65,8 @@ class LowRankLSTM(LowRankModule):
     """Drop-in ``nn.LSTM`` (unidirectional, no projections) with rank-``rank`` gate weights.
 
     ``fused`` picks the kernel (see the module docs): True runs ``nn.LSTM``'s fused kernel on the
-    merged weights ``u @ v``; False a Python loop over time steps on the factors. Factors are ``u_{ih,hh}_l{k}`` (``4h x r``) and ``v_{ih,hh}_l{k}`` (``r x cols``); biases
+    merged weights ``u @ v``; False a Python loop over time steps on the factors. Factors are
+    ``u_{ih,hh}_l{k}`` (``4h x r``) and ``v_{ih,hh}_l{k}`` (``r x cols``); biases
     ``bias_{ih,hh}_l{k}`` as in ``nn.LSTM``. ``PackedSequence`` input is not supported.
     """
 
