@@ -221,6 +221,12 @@ class LowRankMultiheadAttention(LowRankModule):
             mask = padding if mask is None else mask + padding
         return mask
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        """Called by ``torch.jit.script``: say clearly why this layer cannot be scripted."""
+        raise TypeError("LowRankMultiheadAttention cannot be compiled by torch.jit.script (its forward handles nested and masked inputs in Python); "
+                        "use torch.compile or torch.export, or script the merged model "
+                        "(pufferfish.merge)")
+
     @classmethod
     def unsupported_reason(cls, dense: nn.MultiheadAttention) -> str | None:
         reason = _unsupported(dense.embed_dim, dense.kdim, dense.vdim, dense.bias_k is not None,

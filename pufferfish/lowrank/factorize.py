@@ -491,9 +491,8 @@ def _warn_nothing_factorized(model: nn.Module, decisions: list[LayerDecision]) -
     else:
         counts = Counter(d.reason.removeprefix("kept: ").split(" (")[0].split(";")[0]
                          for d in decisions)
-        why = "; ".join(f"{n} x {reason}" for reason, n in counts.most_common())
-        if any("unsupported type" in d.reason for d in decisions):
-            why += f" ({_HINT}, docs/extending.md)"
+        hint = {"unsupported type": f"unsupported type ({_HINT}, docs/extending.md)"}
+        why = "; ".join(f"{n} x {hint.get(reason, reason)}" for reason, n in counts.most_common())
     warnings.warn(f"factorize changed nothing in {type(model).__name__}: {why}", stacklevel=3)
 
 

@@ -180,6 +180,12 @@ class LowRankLSTM(LowRankModule):
 
         return layer_input, torch.stack(h_n), torch.stack(c_n)
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        """Called by ``torch.jit.script``: say clearly why this layer cannot be scripted."""
+        raise TypeError("LowRankLSTM cannot be compiled by torch.jit.script (its forward walks the layers' factors by name and picks a kernel in Python); "
+                        "use torch.compile or torch.export, or script the merged model "
+                        "(pufferfish.merge)")
+
     @classmethod
     def unsupported_reason(cls, dense: nn.LSTM) -> str | None:
         return _unsupported(dense.bidirectional, dense.proj_size)
