@@ -111,13 +111,13 @@ class LowRankConv2d(LowRankModule):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_channels, self.out_channels, self.rank = in_channels, out_channels, rank
-        self.kernel_size = tuple(kernel_size)
         self.v = nn.Conv2d(in_channels, rank, kernel_size, stride=stride, padding=padding,
                            dilation=dilation, bias=False, padding_mode=padding_mode,
                            device=device, dtype=dtype)
         self.bn = nn.BatchNorm2d(rank, device=device, dtype=dtype) if extra_bn else None
         self.u = nn.Conv2d(rank, out_channels, 1, bias=bias, device=device, dtype=dtype)
         # The dense conv's attributes, for code that reads them (torchvision, timm, HF).
+        self.kernel_size = self.v.kernel_size
         self.stride, self.padding, self.dilation = self.v.stride, self.v.padding, self.v.dilation
         self.padding_mode, self.groups = padding_mode, 1
         self.transposed, self.output_padding = False, (0, 0)
