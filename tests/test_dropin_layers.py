@@ -85,6 +85,13 @@ def test_two_linears_sharing_one_weight_are_kept() -> None:
     assert report.params_after < report.params_before
 
 
+def test_weight_norm_layer_is_kept() -> None:
+    model = nn.Sequential(nn.utils.weight_norm(nn.Linear(32, 32)), nn.Linear(32, 32))
+    report = pf.factorize(model, rank=4)
+    assert report.layers[0].reason == "kept: weight recomputed by WeightNorm (torch.nn.utils)"
+    assert isinstance(model[1], LowRankLinear) and model(torch.randn(2, 32)).shape == (2, 32)
+
+
 def test_extra_bn_never_makes_a_layer_larger() -> None:
     # Rank 1 of a 3x2 1x1 conv saves a parameter (5 < 6) but not with the BN's 2 (7 >= 6).
     model = nn.Sequential(nn.Conv2d(2, 3, 1, bias=False), nn.Conv2d(16, 16, 3))

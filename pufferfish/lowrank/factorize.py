@@ -245,7 +245,7 @@ def factorize(
     candidates, unsupported = _candidates(model, names_of)
     order = _forward_order(model, candidates, example_input) if example_input is not None else candidates
     hybrid = {id(m) for m in order[:keep_first]}
-    tied = _tied_parameters(model, names_of)
+    tied = _tied_parameters(model)
     options: dict[str, Any] = {"extra_bn": extra_bn}
 
     params_before = count_params(model)
@@ -329,7 +329,7 @@ def carry_over(old: nn.Module, new: nn.Module) -> None:
     of ``old``'s ≥2-D parameters is, its vectors (biases, BN) iff one of ``old``'s vectors is (its
     matrices' flag when it has none); forward and backward hooks: the hook dictionaries are taken
     over, so a handle from ``old.register_forward_hook`` still removes the hook. State-dict hooks
-    are not (they depend on parameter names): a warning names the module.
+    are not (they depend on parameter names): a warning names the module type.
     """
     new.train(old.training)
     matrices = [p.requires_grad for p in old.parameters() if p.dim() >= 2]
@@ -386,7 +386,7 @@ def merge(model: nn.Module) -> nn.Module:
         dense = module.to_dense()
         carry_over(module, dense)
         replacements.append((module, dense, names_of[module_id]))
-    with _swapped(model, replacements):
+    with _swapped(model, replacements):  # every merge built first: all or nothing
         pass
     return model
 
@@ -496,8 +496,7 @@ def _warn_nothing_factorized(model: nn.Module, decisions: list[LayerDecision]) -
     warnings.warn(f"factorize changed nothing in {type(model).__name__}: {why}", stacklevel=3)
 
 
-def _tied_parameters(model: nn.Module, names_of: dict[int, list[str]]
-                     ) -> dict[int, list[tuple[nn.Module, str]]]:
+def _tied_parameters(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     """id(parameter) -> every ``(module, qualified parameter name)`` that registers it."""
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
