@@ -357,7 +357,7 @@ def test_a_kill_at_a_save_fault_point_leaves_the_previous_checkpoint(
     result = subprocess.run([sys.executable, "-c", _FAULTED_WRITER, str(tmp_path)], env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == -signal.SIGKILL, result.stderr
-    assert (tmp_path / "marker").read_text() == f"{point} 2\n"
+    assert (tmp_path / "marker").read_text().split()[:2] == [point, "2"]
     files = _files(tmp_path)
     if point == "save-payload":
         assert files[1:] == ["ckpt-000000001.json", "ckpt-000000001.pt"]

@@ -10,7 +10,8 @@ Unarmed (no ``PUFFERFISH_KILL_AT_STEP``), every call is one dictionary lookup. A
 * ``PUFFERFISH_KILL_SIGNAL``: ``KILL`` (default), or ``STOP`` to freeze the process instead (a peer
   that hangs with its sockets open, the case only the process-group timeout catches);
 * ``PUFFERFISH_KILL_MARKER``: a file created just before the signal, so that a restarted worker is
-  not hit again at the same point (default ``pufferfish-killed.marker``).
+  not hit again at the same point (default ``pufferfish-killed.marker``). It holds the point, the
+  step and the process id (a driver that froze the process finds it there).
 """
 
 from __future__ import annotations
@@ -36,5 +37,5 @@ def strike(point: str, global_step: int, rank: int = 0) -> None:
     marker = Path(os.environ.get("PUFFERFISH_KILL_MARKER", "pufferfish-killed.marker"))
     if marker.exists():
         return
-    marker.write_text(f"{point} {global_step}\n")
+    marker.write_text(f"{point} {global_step} {os.getpid()}\n")
     os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("PUFFERFISH_KILL_SIGNAL", "KILL")))
