@@ -4,7 +4,7 @@
 # corrupted; prints the tally (faults injected, runs recovered, final parameters bitwise equal to
 # an uninterrupted run, files lost). The disk-full fault mounts a tmpfs: root only, else skipped.
 #   benchmarks/faults.sh [--kills N (3)] [--seed S (0)] [--workdir DIR] [--keep]
-# About 5 minutes on 2 CPUs with the defaults (docs/reliability.md has a tally).
+# About 6 minutes on 2 idle CPUs with the defaults (docs/reliability.md has a tally).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
