@@ -556,13 +556,21 @@ def test_a_new_run_into_an_earlier_run_refuses_unless_overwrite(
            f"with --resume {run}, or start anew there with --overwrite" in err
     assert files_with_digests(run) == before
 
+    # A checkpoint that does not verify is evidence: --overwrite sets it aside, never deletes it.
+    with open(run / "checkpoints" / "ckpt-000000004.pt", "ab") as f:
+        f.write(b"damage")
+    damaged = files_with_digests(run)["checkpoints/ckpt-000000004.pt"]
+    removed = program.replace(", checkpoints/ckpt-000000004.json, checkpoints/ckpt-000000004.pt", "")
     code, out, err = cli([*again, "--mode", "full", "--epochs", "1", "--overwrite"], capsys)
     assert code == 0, err
-    assert f"--overwrite: removed the earlier run in {run}: {program}; left alone: " \
-           "checkpoints/rejected/, notes.txt\n" in out
+    assert f"--overwrite: removed the earlier run in {run}: {removed}; set aside in " \
+           "checkpoints/rejected/ (they do not verify): checkpoints/ckpt-000000004.pt; left " \
+           "alone: checkpoints/rejected/, notes.txt\n" in out
     after = files_with_digests(run)
     for name in ("notes.txt", "checkpoints/rejected/ckpt-000000009.pt"):
         assert after[name] == before[name]
+    assert after["checkpoints/rejected/ckpt-000000004.pt"] == damaged
+    assert "checkpoints/rejected/ckpt-000000004.json" in after
     assert not (run / "factorization.txt").exists()  # of the earlier run; this one is full-rank
     assert [r["epoch"] for r in metrics(run)] == [1]
     assert [p.name for p in ck.checkpoint_files(run)] == [

@@ -78,6 +78,7 @@ __all__ = [
     "find_latest",
     "latest_checkpoint",
     "load_checkpoint",
+    "rejection",
     "restore_rng_state",
     "save_checkpoint",
     "set_aside",
@@ -481,6 +482,20 @@ def _verify_manifest(pt_path: Path) -> None:
     actual_sha, _ = _sha256_file(pt_path)
     if actual_sha != expected_sha:
         raise CheckpointError(f"{pt_path} fails its SHA-256 check (corrupted)")
+
+
+def rejection(pt_path: str | os.PathLike[str]) -> str | None:
+    """Why the checkpoint ``pt_path`` does not verify (size, SHA-256, manifest), or None if it does.
+
+    A checksum check only, without unpickling: enough to tell a checkpoint the program wrote and
+    vouched for from a crash artifact or a damaged file, which callers set aside instead of
+    deleting.
+    """
+    try:
+        _verify_manifest(Path(pt_path))
+    except CheckpointError as exc:
+        return str(exc)
+    return None
 
 
 def load_checkpoint(

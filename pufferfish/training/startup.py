@@ -318,13 +318,23 @@ def _same_configuration(cfg: TrainConfig, run_dir: Path) -> bool:
 def _remove(run_dir: Path, files: list[Path]) -> None:
     """--overwrite: remove the earlier run's files (checkpoints first, config.toml last)."""
     ordered = sorted(files, key=lambda p: (p.parent == run_dir, p.name == "config.toml"))
+    # A checkpoint that does not verify is evidence (a bad copy, tampering, a crash): it is moved
+    # to checkpoints/rejected/ like on resume, never deleted, even under --overwrite.
+    aside = [p for p in ordered if p.suffix == ".pt" and p.parent != run_dir and p.exists()
+             and ckpt.rejection(p) is not None]
+    for path in aside:
+        ckpt.set_aside(path)
     for path in ordered:
         path.unlink(missing_ok=True)
     others = sorted(p for p in [*run_dir.iterdir(), *_entries(run_dir / ckpt.CHECKPOINT_SUBDIR)]
                     if p.name != ckpt.CHECKPOINT_SUBDIR or p.parent != run_dir)
     kept = f"; left alone: {_names(others, run_dir)}" if others else ""
-    print(f"--overwrite: removed the earlier run in {run_dir}: {_names(files, run_dir)}{kept}",
-          flush=True)
+    gone = [p for p in files if p not in aside and not (p.suffix == ".json" and any(
+        a.with_suffix(".json") == p for a in aside))]
+    moved = (f"; set aside in {ckpt.CHECKPOINT_SUBDIR}/{ckpt.REJECTED_SUBDIR}/ (they do not "
+             f"verify): {_names(aside, run_dir)}") if aside else ""
+    print(f"--overwrite: removed the earlier run in {run_dir}: {_names(gone, run_dir)}{moved}"
+          f"{kept}", flush=True)
 
 
 def _entries(directory: Path) -> list[Path]:
