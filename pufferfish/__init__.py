@@ -13,7 +13,7 @@ from .lowrank import (
     merge,
     register_low_rank,
 )
-from .recipe import Recipe
+from .recipe import ParameterSwap, Recipe, swap_parameters
 
 __version__ = "0.1.0"
 __all__ = [
@@ -23,10 +23,12 @@ __all__ = [
     "LowRankLinear",
     "LowRankModule",
     "LowRankMultiheadAttention",
+    "ParameterSwap",
     "Recipe",
     "count_macs",
     "factorize",
     "merge",
     "models",
     "register_low_rank",
+    "swap_parameters",
 ]
