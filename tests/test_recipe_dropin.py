@@ -359,6 +359,24 @@ def _on_wrap_topk(ddp: DDP) -> None:
     register_comm_hook(ddp, "topk", ratio=0.5)
 
 
+def _mixed_precision_rewrap() -> dict[str, Any]:
+    """Construction only: DDP's mixed precision needs CUDA events for a forward pass."""
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    from pufferfish.distributed.env import rewrap_ddp
+
+    model = _mlp()
+    ddp = DDP(model, mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+
+    def hooks() -> tuple[int, int]:
+        return len(ddp._comm_hooks), sum(len(m._forward_pre_hooks) for m in model.modules())
+
+    before = hooks()
+    old, ddp = ddp, rewrap_ddp(ddp)
+    return {"options_kept": ddp_options(ddp) == ddp_options(old), "hooks": (before, hooks()),
+            "mixed_precision": ddp.mixed_precision == old.mixed_precision}
+
+
 def _ddp_worker(rank: int, port: int, queue: Any) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -372,6 +390,7 @@ def _ddp_worker(rank: int, port: int, queue: Any) -> None:
             "topk": _ddp_run(rank, dict(find_unused_parameters=True), hook="topk"),
             "on_wrap": _ddp_run(rank, dict(find_unused_parameters=True), hook="topk",
                                 on_wrap=_on_wrap_topk),
+            "mixed_precision": _mixed_precision_rewrap(),
         }
         queue.put((rank, results))
     except Exception as error:  # report it to the parent instead of hanging it
@@ -426,3 +445,10 @@ def test_ddp_rewrap_reuses_pufferfish_hook_state_or_calls_on_wrap(
             assert r["options_kept"] and r["find_unused"] and r["replica_gap"] == 0.0
         assert ddp_results[rank]["topk"]["hook_calls_after"] >= 3  # the same state, still in use
         assert ddp_results[rank]["on_wrap"]["hook_calls_after"] == 0  # on_wrap's hook instead
+
+
+def test_ddp_rewrap_mixed_precision_is_set_up_once(ddp_results: dict[int, Any]) -> None:
+    r = ddp_results[0]["mixed_precision"]
+    assert r["options_kept"] and r["mixed_precision"]
+    before, after = r["hooks"]
+    assert before == after  # DDP's own upcast comm hook and copy hooks, not twice
