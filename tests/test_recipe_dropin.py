@@ -452,3 +452,23 @@ def test_ddp_rewrap_mixed_precision_is_set_up_once(ddp_results: dict[int, Any]) 
     assert r["options_kept"] and r["mixed_precision"]
     before, after = r["hooks"]
     assert before == after  # DDP's own upcast comm hook and copy hooks, not twice
+
+
+def test_swap_follows_a_tied_weight_by_name() -> None:
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    model[1].weight = model[0].weight  # tied: one tensor under two names
+    opt = torch.optim.SGD(_decay_groups(model), lr=0.1, momentum=0.9)
+    _step_on(model, opt)
+    tied_state = opt.state[model[0].weight]
+    before = dict(model.named_parameters(remove_duplicate=False))
+    model[1] = nn.Sequential(nn.Linear(32, 4, bias=False), nn.Linear(4, 32))  # "factorized"
+    swap = pf.swap_parameters(opt, before, dict(model.named_parameters(remove_duplicate=False)))
+    assert swap.added == {"1.0.weight": 0, "1.1.weight": 0, "1.1.bias": 1} and not swap.notes
+    assert swap.removed == ["1.bias"]  # the tied weight lives on in model[0]
+    assert opt.state[model[0].weight] is tied_state
+
+
+def _step_on(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.randn(4, 32)).square().mean().backward()
+    opt.step()
