@@ -235,8 +235,9 @@ def test_lr_schedule_is_unchanged_by_the_switch(name: str) -> None:
     ({"extra_bn": "yes"}, "extra_bn 'yes' is invalid: allowed True or False"),
     ({"on_wrap": 1}, "on_wrap 1 is invalid: allowed a callable"),
     ({"min_warmup": -1}, "min_warmup -1 is invalid"),
-    ({"min_warmup": 3, "max_warmup": 2}, "max_warmup 2 is invalid: allowed None or a number of "
-                                         "epochs >= min_warmup (3)"),
+    ({"warmup_epochs": "auto", "min_warmup": 3, "max_warmup": 2},
+     "max_warmup 2 is invalid: allowed None or a number of epochs >= min_warmup (3)"),
+    ({"max_warmup": "2"}, "max_warmup '2' is invalid"),
     ({"switch_threshold": -0.1}, "switch_threshold -0.1 is invalid: allowed a number >= 0"),
     ({"switch_window": 0}, "switch_window 0 is invalid: allowed a number of epochs > 0"),
 ])
