@@ -15,7 +15,7 @@ from .lowrank import (
     register_low_rank,
     svd_split,
 )
-from .recipe import Recipe
+from .recipe import ParameterSwap, Recipe, swap_parameters
 
 __version__ = "0.1.0"
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "LowRankLinear",
     "LowRankModule",
     "LowRankMultiheadAttention",
+    "ParameterSwap",
     "Recipe",
     "count_macs",
     "factorize",
@@ -33,4 +34,5 @@ __all__ = [
     "models",
     "register_low_rank",
     "svd_split",
+    "swap_parameters",
 ]

@@ -1,22 +1,32 @@
 """The Pufferfish schedule: full-rank warm-up, then one switch to the factorized model.
 
-The switch is the method's single moment of surgery, and it lives in :meth:`Recipe.switch`:
+The switch is the method's single moment of surgery, :meth:`Recipe.switch`, and it is a drop-in:
+the optimizer, LR scheduler and DDP wrapper the user built keep working, unchanged.
 
 1. factorize the (unwrapped) model in place, identically on every rank (same weights, same plan);
-2. build a new optimizer of the same class and hyper-parameters over the new parameters. Momentum
-   and other optimizer state are *reset*, as in the paper: the old buffers belong to dense weights
-   that no longer exist, and projecting them onto the factors is not worth its complexity;
-3. continue the LR schedule where it was: a scheduler is re-pointed at the new optimizer, keeping
-   its step count (the training loop of this package computes the LR from the step instead);
-4. re-wrap in DDP (whose constructor broadcasts rank 0's parameters, so replicas are identical)
-   and call ``on_wrap`` to re-register the communication hook with fresh state.
+2. edit the user's optimizer in place (:func:`swap_parameters`): the same object, the same
+   parameter groups with every hyperparameter and learning rate. Each replaced dense weight leaves
+   its group and its state (momentum, Adam moments) is deleted, the momentum reset of the paper;
+   its factors join that group, a new bias the group of the old bias (decay / no-decay groups
+   survive). Every other parameter keeps its state: it is the same tensor, and still valid;
+3. the LR scheduler needs nothing: it holds the same optimizer, whose groups and LRs did not
+   change, so the LR sequence is exactly that of the run without the switch (any
+   ``torch.optim.lr_scheduler`` or ``transformers`` schedule);
+4. re-wrap DDP with every option of the user's wrapper (``find_unused_parameters``, buffers,
+   buckets, static graph, ...: :func:`~pufferfish.distributed.env.rewrap_ddp`; the constructor
+   broadcasts rank 0's parameters, so replicas are identical) and register the user's comm hook
+   on it again, or call ``on_wrap`` with the new wrapper instead.
 
 Use it from your own loop::
 
     recipe = pufferfish.Recipe(warmup_epochs=2, rank_ratio=0.25, preset="paper")
     for epoch in range(epochs):
         model, optimizer, scheduler = recipe.on_epoch_start(epoch, model, optimizer, scheduler)
-        train_one_epoch(model, optimizer, scheduler)
+        train_one_epoch(model, optimizer, scheduler)  # the same optimizer and scheduler objects
+
+``model`` changes only when it is a DDP wrapper (a new one). The arguments are checked when the
+recipe is built, its keep patterns and preset against the model at the first call
+(:meth:`~Recipe.on_epoch_start`, :meth:`~Recipe.observe`), not hours later at the switch.
 
 ``warmup_epochs="auto"`` switches when every layer's stable rank has settled, ``rank_ratio="auto"``
 picks per-layer ranks from the stable ranks, ``keep="auto"`` profiles each layer and keeps those
@@ -29,7 +39,9 @@ average out noise and catch a rank that moves and comes back.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,12 +49,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .distributed.env import ddp_options, rewrap_ddp
 from .lowrank import FactorizationReport, factorize
 from .lowrank.factorize import format_table
 
-__all__ = ["Recipe", "rebuild_optimizer"]
-
-ParamGroupsFn = Callable[[nn.Module], Sequence[dict[str, Any]]]
+__all__ = ["ParameterSwap", "Recipe", "swap_parameters"]
 
 
 class Recipe:
@@ -60,9 +71,8 @@ class Recipe:
         keep_first: also keep the first K factorizable layers full-rank (hybrid network).
         extra_bn: BatchNorm between the factors of each conv.
         example_input: a batch for the forward-order trace, MAC counts and ``keep="auto"``.
-        param_groups: builds the new optimizer's parameter groups from the factorized model
-            (default: one group with every parameter).
-        on_wrap: called with each new DDP wrapper, e.g. to register a comm hook.
+        on_wrap: called with the new DDP wrapper at the switch, e.g. to register a comm hook
+            with fresh state; without it, the old wrapper's comm hooks are registered again.
         min_warmup, max_warmup: bounds of the automatic switch epoch.
         switch_threshold, switch_window: the automatic switch's plateau test, see
             :class:`~pufferfish.auto.SwitchDetector` (change per epoch, window in epochs).
@@ -78,35 +88,34 @@ class Recipe:
         keep_first: int = 0,
         extra_bn: bool = False,
         example_input: Any = None,
-        param_groups: ParamGroupsFn | None = None,
         on_wrap: Callable[[DistributedDataParallel], Any] | None = None,
         min_warmup: int = 1,
         max_warmup: int | None = None,
         switch_threshold: float = 0.05,
         switch_window: float = 1.0,
     ) -> None:
-        if warmup_epochs != "auto" and (isinstance(warmup_epochs, bool) or not isinstance(
-                warmup_epochs, int) or warmup_epochs < 0):
-            raise ValueError(f"warmup_epochs {warmup_epochs!r} is invalid: allowed an integer >= 0 "
-                             "or 'auto'")
+        if not isinstance(keep, str) and isinstance(keep, Iterable):
+            keep = list(keep)  # checked, then used: an iterator must be read once
+        _check_arguments(locals())
         self.warmup_epochs = warmup_epochs
         self.rank_ratio = rank_ratio
         self.max_rank_ratio = max_rank_ratio
         self.keep_auto = keep == "auto"
-        self.keep = [] if keep == "auto" else ([keep] if isinstance(keep, str) else list(keep))
+        self.keep = [] if keep == "auto" else ([keep] if isinstance(keep, str) else keep)
         self.preset = preset
         self.keep_first = keep_first
         self.extra_bn = extra_bn
         self.example_input = example_input
-        self.param_groups = param_groups
         self.on_wrap = on_wrap
         self.switched_at: int | None = None
         self.report: FactorizationReport | None = None
+        self.parameter_swap: ParameterSwap | None = None  # what the switch did to the optimizer
         self.decisions: dict[str, Any] = {}  # what the automatic choices measured and chose
         self.tracker: Any = None
         self.detector: Any = None
         self._latest: tuple[float, dict[str, float]] | None = None
         self._decided: dict[int, bool] = {}
+        self._model_checked = False
         if warmup_epochs == "auto" or rank_ratio == "auto":
             from .auto import SwitchDetector
 
@@ -125,6 +134,7 @@ class Recipe:
         runs. The first call records the stable ranks at initialization (Cuttlefish's reference):
         make it before training, as :meth:`on_epoch_start` does at epoch 0. Cached per ``t``.
         """
+        self._check_model(model)
         if self.detector is None or self.switched:
             return {}
         if self._latest is not None and self._latest[0] == t:
@@ -144,6 +154,7 @@ class Recipe:
         With ``warmup_epochs="auto"``: at the first epoch boundary at or after the detector fired
         (it may fire between boundaries when observed every N steps).
         """
+        self._check_model(model)
         if self.switched:
             return False
         if self.warmup_epochs != "auto":
@@ -155,11 +166,31 @@ class Recipe:
 
     def on_epoch_start(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                        scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        """Call at the start of every epoch: :meth:`switch` when it is time, else nothing.
+
+        Returns ``(model, optimizer, scheduler)``, the same objects except a DDP ``model``
+        re-wrapped at the switch. The first call checks keep patterns and preset against
+        ``model``; with automatic choices, epoch 0 records the stable ranks at initialization.
+        """
         if self.should_switch(epoch, model):
             return self.switch(epoch, model, optimizer, scheduler)
         if self.detector is not None and epoch == 0:
             self.observe(0, model)
         return model, optimizer, scheduler
+
+    def _check_model(self, model: nn.Module) -> None:
+        """At the first call: the keep patterns, preset and DDP wrapper fit ``model``.
+
+        ``factorize`` itself checks, on a plan that replaces nothing (``include=[]``), so that a
+        typo fails now, with factorize's message, and not at the switch.
+        """
+        if self._model_checked or self.switched:
+            return
+        factorize(_unwrap(model), keep=list(self.keep), preset=self.preset,
+                  keep_first=self.keep_first, include=[])
+        if isinstance(model, DistributedDataParallel):
+            ddp_options(model)  # a wrapper that cannot be rebuilt fails now
+        self._model_checked = True
 
     def _static_keep(self, model: nn.Module) -> list[str]:
         keep = list(self.keep)
@@ -189,8 +220,6 @@ class Recipe:
             from .auto import budget_params, profile_keep
             from .lowrank.factorize import factorizable_modules
 
-            if self.example_input is None:
-                raise ValueError("keep='auto' needs an example_input to profile the layers")
             static = self._static_keep(model)
             ranks = kwargs.get("overrides") or {
                 name: kwargs["rank_ratio"] for name in factorizable_modules(model)}
@@ -267,7 +296,13 @@ class Recipe:
 
     def switch(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
-        """Factorize ``model`` and rebuild what depends on its parameters (see module docs)."""
+        """Factorize ``model``; keep ``optimizer`` and ``scheduler`` (see the module docs).
+
+        Returns ``(model, optimizer, scheduler)``: ``optimizer`` and ``scheduler`` are the same
+        objects, edited in place (what changed is in :attr:`parameter_swap`); ``model`` is a new
+        wrapper when it was a DDP wrapper, else the same module.
+        """
+        self._check_model(model)
         inner = _unwrap(model)
         if self.warmup_epochs == "auto":
             d = self.detector
@@ -278,7 +313,9 @@ class Recipe:
         if self.tracker is not None:
             self.decisions["stable_ranks"] = {"initial": dict(self.tracker.initial),
                                               "history": dict(self.tracker.history)}
-        self.report = factorize(inner, **self.factorize_kwargs(inner))
+        kwargs = self.factorize_kwargs(inner)
+        before = dict(inner.named_parameters(remove_duplicate=False))
+        self.report = factorize(inner, **kwargs)
         if self.example_input is not None:
             from .auto import time_lstm_kernels
 
@@ -291,31 +328,140 @@ class Recipe:
                 self.decisions["lstm_kernels"] = kernels
         self.switched_at = epoch
         if optimizer is not None:
-            optimizer = rebuild_optimizer(optimizer, inner, self.param_groups)
-            if scheduler is not None:
-                scheduler.optimizer = optimizer
+            self.parameter_swap = swap_parameters(
+                optimizer, before, dict(inner.named_parameters(remove_duplicate=False)))
         if isinstance(model, DistributedDataParallel):
-            model = DistributedDataParallel(inner, device_ids=model.device_ids,
-                                            process_group=model.process_group)
+            model = rewrap_ddp(model, register_hooks=self.on_wrap is None)
             if self.on_wrap is not None:
                 self.on_wrap(model)
         return model, optimizer, scheduler
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
-                      param_groups: ParamGroupsFn | None = None) -> torch.optim.Optimizer:
-    """A fresh optimizer of ``optimizer``'s class and settings over ``model``'s parameters.
+# --------------------------------------------------------------------------------------------
+# The user's optimizer across the switch
+# --------------------------------------------------------------------------------------------
 
-    The current learning rate (and ``initial_lr``, which LR schedulers read) is carried over from
-    the first group of the old optimizer; state such as momentum starts from zero.
+@dataclass
+class ParameterSwap:
+    """What :func:`swap_parameters` did to an optimizer.
+
+    Attributes:
+        removed: names of the parameters taken out of the optimizer (their state deleted).
+        added: name -> index of the parameter group each new parameter joined.
+        notes: one line per placement that did not follow a same-kind predecessor (a parameter
+            with no predecessor, an ambiguous one, one left out); empty when every new parameter
+            simply took the place of the weight or bias it replaces.
     """
-    groups = list(param_groups(model)) if param_groups else [{"params": list(model.parameters())}]
-    new = type(optimizer)(groups, **optimizer.defaults)
-    carried = {k: optimizer.param_groups[0][k] for k in ("lr", "initial_lr")
-               if k in optimizer.param_groups[0]}
-    for group in new.param_groups:
-        group.update(carried)
-    return new
+
+    removed: list[str] = field(default_factory=list)
+    added: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        groups = sorted(set(self.added.values()))
+        lines = [f"optimizer: {len(self.removed)} parameter(s) removed, {len(self.added)} added"
+                 + (f" (to group(s) {', '.join(map(str, groups))})" if groups else "")]
+        return "\n".join(lines + [f"  {note}" for note in self.notes])
+
+
+def swap_parameters(optimizer: torch.optim.Optimizer, before: Mapping[str, torch.Tensor],
+                    after: Mapping[str, torch.Tensor]) -> ParameterSwap:
+    """Edit ``optimizer`` in place after modules of its model were replaced (e.g. by factorize).
+
+    ``before`` and ``after`` are the model's named parameters before and after the replacement,
+    ``dict(model.named_parameters(remove_duplicate=False))`` (every name, so that a tied weight is
+    seen under each of its names). The optimizer object, its ``param_groups`` list, every group
+    dict and every hyperparameter in it stay as they are, so an LR scheduler, a trainer or the
+    user holding them keeps working and the LR schedule continues exactly. Only two things change:
+
+    - a parameter that is gone from the model leaves its group's ``params`` list, and its
+      ``optimizer.state`` entry (momentum, Adam moments, ...) is deleted: the momentum reset of
+      the paper. Every other parameter keeps its state: it is the same tensor, still valid.
+    - a new parameter is appended to the group of the parameter it replaces, found by module: it
+      belongs to the replaced module at the deepest qualified name that prefixes its own (a
+      low-rank module sits where the dense one was), and a matrix (factor, ``ndim >= 2``) joins
+      the group of that module's replaced matrices, a vector (bias, norm scale, ``ndim <= 1``)
+      the group of its replaced vectors: weight decay on weights but not on biases stays so.
+      Without a replaced parameter of its kind it joins the group of its module's other replaced
+      parameters; outside any replaced module, that of its module's other parameters, else
+      group 0. A new parameter whose module was not optimized at all is left out. Each such
+      decision is a line of the returned report's ``notes``.
+
+    New parameters start without state; ``torch.optim`` optimizers create it at their next step
+    (momentum from zero, Adam's step count from 0 for them alone). :class:`torch.optim.LBFGS`,
+    whose state is a function of all its parameters together, is reset entirely. Optimizers that
+    keep copies of their parameters elsewhere (``ZeroRedundancyOptimizer``) are not supported.
+    """
+    after_ids = {id(p) for p in after.values()}
+    before_ids = {id(p) for p in before.values()}
+    gone = {id(p): p for p in before.values() if id(p) not in after_ids}
+    replaced = {name: p for name, p in before.items() if after.get(name) is not p}
+    new: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, p in after.items():
+        if id(p) not in before_ids:
+            new.setdefault(id(p), (name, p))
+
+    group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    swap = ParameterSwap()
+    named_once = {id(p): name for name, p in reversed(list(before.items()))}  # first name of each
+    swap.removed = [named_once[i] for i in gone if i in group_of]
+    appended: dict[int, list[torch.Tensor]] = {}
+    for name, p in new.values():
+        group = _group_for(name, p, replaced, after, group_of, swap.notes)
+        if group is not None:
+            swap.added[name] = group
+            appended.setdefault(group, []).append(p)
+
+    for i, group in enumerate(optimizer.param_groups):
+        # Slice assignment: the same list object (LBFGS, for one, holds on to it).
+        group["params"][:] = [p for p in group["params"] if id(p) not in gone] + appended.get(i, [])
+    for p in gone.values():
+        optimizer.state.pop(p, None)
+    if isinstance(optimizer, torch.optim.LBFGS):
+        optimizer.state.clear()
+        optimizer._numel_cache = None  # type: ignore[attr-defined]
+    return swap
+
+
+def _group_for(name: str, param: torch.Tensor, replaced: Mapping[str, torch.Tensor],
+               after: Mapping[str, torch.Tensor], group_of: Mapping[int, int],
+               notes: list[str]) -> int | None:
+    """The group index a new parameter joins (see :func:`swap_parameters`), None: left out."""
+    kind = "matrix" if param.dim() >= 2 else "vector"
+    owners = [m for m in {n.rpartition(".")[0] for n in replaced} if _within(name, m)]
+    if not owners:  # not inside a replaced module
+        module = name.rpartition(".")[0]
+        siblings = sorted({group_of[id(p)] for n, p in after.items()
+                           if n.rpartition(".")[0] == module and id(p) in group_of})
+        group = siblings[0] if siblings else 0
+        notes.append(f"{name}: no replaced predecessor; joined group {group} "
+                     + (f"with module {module!r}'s other parameters" if siblings
+                        else "(its module has no other optimized parameter)"))
+        return group
+    owner = max(owners, key=len)
+    predecessors = {n: p for n, p in replaced.items() if n.rpartition(".")[0] == owner}
+    optimized = {n: group_of[id(p)] for n, p in predecessors.items() if id(p) in group_of}
+    if not optimized:
+        notes.append(f"{name}: left out, as {owner or 'the model'}'s replaced parameters "
+                     f"({', '.join(predecessors)}) were not in the optimizer")
+        return None
+    if name in optimized:  # the same name, a new tensor (e.g. a low-rank LSTM's biases)
+        return optimized[name]
+    same_kind = {n: g for n, g in optimized.items()
+                 if (predecessors[n].dim() >= 2) == (kind == "matrix")}
+    choice = same_kind or optimized
+    group = next(iter(choice.values()))
+    if not same_kind:
+        notes.append(f"{name}: no replaced {kind} in {owner!r}; joined group {group} of "
+                     f"{', '.join(choice)}")
+    elif len(set(choice.values())) > 1:
+        notes.append(f"{name}: the replaced {kind}s of {owner!r} were in groups "
+                     f"{sorted(set(choice.values()))}; joined group {group} of {next(iter(choice))}")
+    return group
+
+
+def _within(name: str, module: str) -> bool:
+    return module == "" or name.startswith(module + ".")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -329,3 +475,53 @@ def _agree(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _check_arguments(args: Mapping[str, Any]) -> None:
+    """Every argument of :class:`Recipe` in range, or ValueError naming it and what is allowed."""
+    def bad(name: str, allowed: str) -> ValueError:
+        return ValueError(f"{name} {args[name]!r} is invalid: allowed {allowed}")
+
+    def number(value: Any) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(
+            value)
+
+    def ratio(value: Any) -> bool:
+        return number(value) and 0 < value <= 1
+
+    warmup = args["warmup_epochs"]
+    if warmup != "auto" and not (isinstance(warmup, int) and not isinstance(warmup, bool)
+                                 and warmup >= 0):
+        raise bad("warmup_epochs", "an integer >= 0 or 'auto'")
+    if args["rank_ratio"] != "auto" and not ratio(args["rank_ratio"]):
+        raise bad("rank_ratio", "a number in (0, 1] or 'auto'")
+    if args["max_rank_ratio"] is not None and not ratio(args["max_rank_ratio"]):
+        raise bad("max_rank_ratio", "a number in (0, 1] or None")
+    keep = args["keep"]
+    if not isinstance(keep, str) and (not isinstance(keep, Iterable) or not all(
+            isinstance(p, str) for p in keep)):
+        raise bad("keep", "'auto', a glob pattern or a list of glob patterns (strings)")
+    if keep == "auto" and args["example_input"] is None:
+        raise ValueError("keep='auto' needs an example_input to profile the layers: pass "
+                         "example_input=<a batch>")
+    if args["preset"] is not None and not isinstance(args["preset"], str):
+        raise bad("preset", "a preset name (string) or None")
+    first = args["keep_first"]
+    if not (isinstance(first, int) and not isinstance(first, bool) and first >= 0):
+        raise bad("keep_first", "an integer >= 0")
+    if not isinstance(args["extra_bn"], bool):
+        raise bad("extra_bn", "True or False")
+    if args["on_wrap"] is not None and not callable(args["on_wrap"]):
+        raise bad("on_wrap", "a callable taking the new DistributedDataParallel, or None")
+    if not (number(args["min_warmup"]) and args["min_warmup"] >= 0):
+        raise bad("min_warmup", "a number of epochs >= 0")
+    high = args["max_warmup"]
+    if high is not None and not number(high):
+        raise bad("max_warmup", "None or a number of epochs")
+    detector = "auto" in (warmup, args["rank_ratio"])  # the only user of min/max_warmup
+    if detector and high is not None and high < args["min_warmup"]:
+        raise bad("max_warmup", f"None or a number of epochs >= min_warmup ({args['min_warmup']})")
+    if not (number(args["switch_threshold"]) and args["switch_threshold"] >= 0):
+        raise bad("switch_threshold", "a number >= 0 (relative change per epoch)")
+    if not (number(args["switch_window"]) and args["switch_window"] > 0):
+        raise bad("switch_window", "a number of epochs > 0")

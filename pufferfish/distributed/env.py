@@ -9,7 +9,10 @@ without DDP, through the same training loop.
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["DistEnv", "all_reduce_sum", "broadcast_object", "cleanup", "gather_object", "say", "setup",
-           "wrap_ddp"]
+__all__ = ["DistEnv", "all_reduce_sum", "broadcast_object", "cleanup", "ddp_options", "gather_object",
+           "rewrap_ddp", "say", "setup", "wrap_ddp"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,107 @@ def wrap_ddp(model: nn.Module, env: DistEnv) -> nn.Module:
         return model
     device_ids = [env.device.index] if env.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def ddp_options(ddp: DistributedDataParallel) -> dict[str, Any]:
+    """The constructor arguments that rebuild ``ddp``'s configuration around a changed module.
+
+    DDP keeps its options as attributes under other names (``bucket_cap_mb`` as
+    ``bucket_bytes_cap``, ``static_graph`` set by ``_set_static_graph``) or not at all; this reads
+    each back, and keeps only the arguments the installed DDP accepts. Two are not kept:
+    ``init_sync`` is always on (a re-wrapped model must start equal on every rank: DDP
+    broadcasts rank 0's parameters) and the deprecated no-op ``check_reduction``. A wrapper built
+    with ``delay_all_reduce_named_params`` cannot be rebuilt (DDP does not keep
+    ``param_to_hook_all_reduce``): ValueError.
+    """
+    if getattr(ddp, "_delay_all_reduce_params", None):
+        raise ValueError("a DistributedDataParallel built with delay_all_reduce_named_params cannot "
+                         "be re-wrapped (DDP does not keep param_to_hook_all_reduce): allowed are "
+                         "wrappers without it")
+    options: dict[str, Any] = {
+        "device_ids": ddp.device_ids,
+        "output_device": ddp.output_device,
+        "dim": ddp.dim,
+        "find_unused_parameters": ddp.find_unused_parameters,
+        "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+        "static_graph": bool(getattr(ddp, "static_graph", getattr(ddp, "_static_graph", False))),
+        "mixed_precision": getattr(ddp, "mixed_precision", None),
+        "skip_all_reduce_unused_params": getattr(ddp, "skip_all_reduce_unused_params", False),
+        "batched_grad_copy": getattr(ddp, "batched_grad_copy", False),
+    }
+    if getattr(ddp, "device_mesh", None) is not None:
+        options["device_mesh"] = ddp.device_mesh
+    else:
+        options["process_group"] = ddp.process_group
+    if not ddp.broadcast_buffers:
+        # Not forward_sync_buffers=False, which would overwrite every rank's buffers with rank 0's
+        # at construction: buffers the user keeps per rank stay per rank.
+        options["broadcast_buffers"] = False
+    mb = 1024 * 1024  # DDP's MiB
+    if getattr(ddp, "bucket_bytes_cap_list", None):
+        options["bucket_cap_mb_list"] = [cap / mb for cap in ddp.bucket_bytes_cap_list]
+    elif not getattr(ddp, "bucket_bytes_cap_default", False):
+        options["bucket_cap_mb"] = ddp.bucket_bytes_cap / mb
+    accepted = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {k: v for k, v in options.items() if k in accepted}
+
+
+def rewrap_ddp(ddp: DistributedDataParallel, register_hooks: bool = True
+               ) -> DistributedDataParallel:
+    """A new DDP wrapper around ``ddp.module`` (changed in place) with all of ``ddp``'s options.
+
+    Needed after the module's parameters were replaced: DDP's reducer, buckets and broadcasts
+    are built from the parameters at construction. Options are carried over by
+    :func:`ddp_options`; the construction broadcasts rank 0's parameters (and buffers, unless the
+    user turned buffer syncing off). With ``register_hooks``, every communication hook the user
+    registered on ``ddp`` is registered again, the same callable with the same state object (the
+    user's reference to it stays live): hook states that follow their parameters across DDP's
+    re-bucketing, such as :mod:`pufferfish.distributed.hooks`'s, carry on; torch's
+    ``PowerSGDState``, whose memory is keyed by bucket index only, has that memory cleared and
+    restarts its vanilla all-reduce warm-up (``start_powerSGD_iter``), which is how torch
+    copes with the first re-bucketing. Hooks registered with DDP's private
+    ``_register_builtin_comm_hook`` are not carried over. ``ddp`` must not be used afterwards.
+    """
+    options = ddp_options(ddp)
+    module = ddp.module
+    _detach_wrapper(ddp)
+    with warnings.catch_warnings():  # our choice, not the user's: see ddp_options
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.* is deprecated",
+                                category=FutureWarning)
+        new = DistributedDataParallel(module, **options)
+    if register_hooks:
+        for hook, state in getattr(ddp, "_comm_hooks", []):
+            if _made_by_ddp(state, ddp):  # mixed precision, optimizer in backward: DDP's own
+                continue
+            _forget_buckets(state)
+            new.register_comm_hook(state, hook)
+    return new
+
+
+def _made_by_ddp(state: Any, ddp: DistributedDataParallel) -> bool:
+    ref = state if isinstance(state, weakref.ref) else getattr(state, "ddp_weakref", None)
+    return isinstance(ref, weakref.ref) and ref() is ddp
+
+
+def _forget_buckets(state: Any) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    if isinstance(state, PowerSGDState):
+        state.error_dict.clear()
+        state.p_memory_dict.clear()
+        state.q_memory_dict.clear()
+        state.iter = 0
+
+
+def _detach_wrapper(ddp: DistributedDataParallel) -> None:
+    """Remove the hooks ``ddp`` put on its module's tensors and submodules (they call ``ddp``)."""
+    for handle in getattr(ddp, "_accum_grad_hooks", []):
+        handle.remove()
+    for module in ddp.module.modules():
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if getattr(hook, "__self__", None) is ddp:  # mixed precision's copy hooks
+                del module._forward_pre_hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
 def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
