@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,8 +187,10 @@ class Recipe:
         """
         if self._model_checked or self.switched:
             return
-        factorize(_unwrap(model), keep=list(self.keep), preset=self.preset,
-                  keep_first=self.keep_first, include=[])
+        with warnings.catch_warnings():  # "changed nothing" is this dry run's purpose
+            warnings.simplefilter("ignore", UserWarning)
+            factorize(_unwrap(model), keep=list(self.keep), preset=self.preset,
+                      keep_first=self.keep_first, include=[])
         if isinstance(model, DistributedDataParallel):
             ddp_options(model)  # a wrapper that cannot be rebuilt fails now
         self._model_checked = True

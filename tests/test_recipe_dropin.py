@@ -473,3 +473,12 @@ def _step_on(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
     model(torch.randn(4, 32)).square().mean().backward()
     opt.step()
+
+
+def test_first_call_check_is_silent_on_a_good_model(recwarn: pytest.WarningsRecorder) -> None:
+    """The dry-run factorize that checks keep patterns changes nothing on purpose: no warning."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recipe = pf.Recipe(warmup_epochs=1, keep=["2"])
+    recipe.on_epoch_start(0, model, opt)
+    assert not [w for w in recwarn if "changed nothing" in str(w.message)]
