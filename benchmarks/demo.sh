@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: ResNet-18 (width 0.25) on real Fashion-MNIST, 2 processes under torchrun (gloo),
-# full-rank DDP and Pufferfish side by side, then the comparison table. About 10 minutes on 2 CPUs.
+# full-rank DDP and Pufferfish side by side, then the comparison table. About 3 minutes on 2 idle CPUs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PF=".venv/bin/python -m"
