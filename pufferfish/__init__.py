@@ -10,8 +10,10 @@ from .lowrank import (
     LowRankMultiheadAttention,
     count_macs,
     factorize,
+    load_factorized,
     merge,
     register_low_rank,
+    svd_split,
 )
 from .recipe import ParameterSwap, Recipe, swap_parameters
 
@@ -27,8 +29,10 @@ __all__ = [
     "Recipe",
     "count_macs",
     "factorize",
+    "load_factorized",
     "merge",
     "models",
     "register_low_rank",
+    "svd_split",
     "swap_parameters",
 ]

@@ -48,7 +48,7 @@ from torch import nn
 
 from .lowrank import LowRankLSTM
 from .lowrank.base import LowRankModule, low_rank_class_for
-from .lowrank.factorize import factorizable_modules
+from .lowrank.factorize import call_with_example, factorizable_modules
 from .lowrank.svd import rank_from_ratio
 
 __all__ = [
@@ -502,7 +502,7 @@ def profile_keep(
         full = cls.full_rank(module)
         r = min(full, value) if isinstance(value, int) else rank_from_ratio(full, value)
         before = sum(p.numel() for p in module.parameters())
-        after = cls.params_at_rank(module, r)
+        after = cls.params_at_rank(module, r, extra_bn=extra_bn)
         share = (before - after) / max(1, total)
         captured = inputs.get(id(module))
         m: dict[str, Any] = {
@@ -646,10 +646,7 @@ def _capture_inputs(model: nn.Module, example_input: Any, modules: list[nn.Modul
     model.eval()
     try:
         with torch.enable_grad():
-            if isinstance(example_input, tuple):
-                model(*example_input)
-            else:
-                model(example_input)
+            call_with_example(model, example_input)
     finally:
         for h in handles:
             h.remove()

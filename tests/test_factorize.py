@@ -68,10 +68,12 @@ def test_full_rank_factorization_preserves_function() -> None:
     x = torch.randn(3, 40)
     expected = model(x)
     # Full rank saves nothing, so force it: an absolute rank equal to the full rank is kept...
-    report = pf.factorize(model, rank=40)
+    with pytest.warns(UserWarning, match="changed nothing .* no parameter saving at rank 40"):
+        report = pf.factorize(model, rank=40)
     assert report.factorized == []
     # ...while rank 20 of a 40x40 layer saves nothing either (20*80 == 1600): the boundary case.
-    assert pf.factorize(model, rank=20).factorized == []
+    with pytest.warns(UserWarning, match="changed nothing"):
+        assert pf.factorize(model, rank=20).factorized == []
     torch.testing.assert_close(model(x), expected)
 
 
@@ -92,7 +94,7 @@ def test_unsupported_type_is_left_alone_and_reported() -> None:
     report = pf.factorize(model, rank=2)
     assert isinstance(model[1], Custom) and isinstance(model[2], nn.Embedding)
     reasons = {d.name: d.reason for d in report.layers}
-    assert reasons["1"] == reasons["2"] == "kept: unsupported type"
+    assert reasons["1"] == reasons["2"] == "kept: unsupported type; see pufferfish.register_low_rank"
     assert isinstance(model[0], LowRankLinear)
 
 
@@ -108,7 +110,8 @@ def test_merge_round_trip_and_idempotence() -> None:
     x = torch.randn(2, 1, 12, 12)
     pf.factorize(model, rank_ratio=0.5)
     factored = model(x)
-    assert pf.factorize(model, rank_ratio=0.5).factorized == []  # nothing left to factorize
+    with pytest.warns(UserWarning, match=r"already factorized: 5 low-rank module\(s\) \(0, 3.0"):
+        assert pf.factorize(model, rank_ratio=0.5).factorized == []  # nothing left to factorize
     pf.merge(model)
     assert not any(isinstance(m, pf.LowRankModule) for m in model.modules())
     torch.testing.assert_close(model(x), factored, rtol=1e-4, atol=1e-5)
@@ -230,5 +233,6 @@ def test_lstm_inside_a_language_model() -> None:
 
 def test_bidirectional_lstm_is_kept_with_reason() -> None:
     model = nn.Sequential(nn.LSTM(16, 16, bidirectional=True))
-    report = pf.factorize(model, rank=2)
+    with pytest.warns(UserWarning, match="changed nothing in Sequential: 1 x a bidirectional LSTM"):
+        report = pf.factorize(model, rank=2)
     assert "bidirectional" in report.layers[0].reason and isinstance(model[0], nn.LSTM)

@@ -75,6 +75,7 @@ def test_presets_choose_the_papers_layers() -> None:
     r = ResNet18(width=0.125)
     assert kept(r, "conv1") and kept(r, "fc") and kept(r, "layer1.0.conv2")
     assert kept(r, "layer3.0.shortcut.0")
+    assert not kept(r, "layer1.1.conv1") and not kept(r, "layer1.1.conv2")
     assert not kept(r, "layer2.0.conv1") and not kept(r, "layer4.1.conv2")
     v = VGG19BN(width=0.125)
     assert kept(v, "features.conv9") and kept(v, "classifier.fc3")
@@ -134,3 +135,16 @@ def test_build_model() -> None:
                       LSTMLanguageModel)
     with pytest.raises(ValueError, match=r"unknown model 'resnet50': allowed resnet18"):
         build_model("resnet50")
+
+
+def test_paper_presets_match_the_authors_counts() -> None:
+    """ResNet-18: the authors' HybridResNet has 3,336,138 parameters (+128: our stem BatchNorm);
+    VGG-19-BN: their LowRankVGG19 has 8,370,634 (+5,504: our conv biases)."""
+    from pufferfish import factorize
+
+    resnet = ResNet18(num_classes=10)
+    factorize(resnet, preset="paper", rank_ratio=0.25)
+    assert n_params(resnet) == 3_336_138 + 128
+    vgg = VGG19BN(num_classes=10)
+    factorize(vgg, preset="paper", rank_ratio=0.25)
+    assert n_params(vgg) == 8_370_634 + 5_504

@@ -2,7 +2,15 @@
 
 from .attention import LowRankMultiheadAttention
 from .base import LowRankModule, low_rank_class_for, register_low_rank
-from .factorize import FactorizationReport, LayerDecision, count_macs, factorize, merge
+from .factorize import (
+    FactorizationReport,
+    LayerDecision,
+    call_with_example,
+    count_macs,
+    factorize,
+    load_factorized,
+    merge,
+)
 from .layers import LowRankConv2d, LowRankLinear
 from .lstm import LowRankLSTM
 from .svd import rank_from_ratio, saves_parameters, svd_split
@@ -15,8 +23,10 @@ __all__ = [
     "LowRankLinear",
     "LowRankModule",
     "LowRankMultiheadAttention",
+    "call_with_example",
     "count_macs",
     "factorize",
+    "load_factorized",
     "low_rank_class_for",
     "merge",
     "rank_from_ratio",

@@ -8,11 +8,16 @@ can stand in as ``self_attn`` / ``multihead_attn`` of torch's transformer layers
 
 Those transformer modules probe ``self_attn`` for an inference fast path that needs a packed dense
 ``in_proj_weight``. This layer declines it: ``_qkv_same_embed_dim`` is ``False``, ``in_proj_bias``
-is ``None``, and ``in_proj_weight`` is a placeholder (see :class:`_NoPackedWeight`).
+is ``None``, and ``in_proj_weight`` is a placeholder (see :class:`_NoPackedWeight`). When an
+``nn.TransformerEncoder`` whose *first* layer is still dense packs a padded batch into a nested
+tensor (eval, ``enable_nested_tensor=True``, padding mask), the later layers receive that nested
+tensor: this layer then attends over the padded batch with the padding masked, and packs the
+result back (:meth:`LowRankMultiheadAttention._forward_nested`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
 import torch
@@ -125,6 +130,9 @@ class LowRankMultiheadAttention(LowRankModule):
 
         Uses ``F.scaled_dot_product_attention`` unless the weights are asked for.
         """
+        if query.is_nested:
+            return self._forward_nested(query, key, value, key_padding_mask, need_weights,
+                                        attn_mask, average_attn_weights, is_causal)
         batched = query.dim() == 3
         if not batched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -164,6 +172,32 @@ class LowRankMultiheadAttention(LowRankModule):
             return out.squeeze(0), None if weights is None else weights.squeeze(0)
         return (out if self.batch_first else out.transpose(0, 1)), weights
 
+    def _forward_nested(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        key_padding_mask: torch.Tensor | None, need_weights: bool,
+                        attn_mask: torch.Tensor | None, average_attn_weights: bool,
+                        is_causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Self-attention over a nested batch ``(batch, *seq*, embed)``: pad, mask, pack back.
+
+        What ``nn.TransformerEncoder``'s fast path sends to every layer after the first once it
+        has packed the batch (nested tensors are batch-first whatever ``batch_first`` says).
+        """
+        if key is not query or value is not query:
+            raise NotImplementedError("LowRankMultiheadAttention takes a nested tensor only for "
+                                      "self-attention (query is key is value)")
+        if key_padding_mask is not None:
+            raise NotImplementedError("key_padding_mask cannot be combined with a nested input: "
+                                      "the nested tensor's lengths are the padding")
+        lengths = [t.shape[0] for t in query.unbind()]
+        padded = query.to_padded_tensor(0.0)
+        positions = torch.arange(padded.shape[1], device=padded.device)
+        padding = positions[None, :] >= torch.tensor(lengths, device=padded.device)[:, None]
+        x = padded if self.batch_first else padded.transpose(0, 1)
+        out, weights = self.forward(x, x, x, padding, need_weights, attn_mask,
+                                    average_attn_weights, is_causal)
+        out = out if self.batch_first else out.transpose(0, 1)
+        packed = torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, lengths)])
+        return packed, weights
+
     def _merged_mask(self, attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None,
                      batch: int, tgt_len: int, src_len: int,
                      dtype: torch.dtype) -> torch.Tensor | None:
@@ -187,6 +221,12 @@ class LowRankMultiheadAttention(LowRankModule):
             mask = padding if mask is None else mask + padding
         return mask
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        """Called by ``torch.jit.script``: say clearly why this layer cannot be scripted."""
+        raise TypeError("LowRankMultiheadAttention cannot be compiled by torch.jit.script (its forward handles nested and masked inputs in Python); "
+                        "use torch.compile or torch.export, or script the merged model "
+                        "(pufferfish.merge)")
+
     @classmethod
     def unsupported_reason(cls, dense: nn.MultiheadAttention) -> str | None:
         reason = _unsupported(dense.embed_dim, dense.kdim, dense.vdim, dense.bias_k is not None,
@@ -200,7 +240,7 @@ class LowRankMultiheadAttention(LowRankModule):
         return dense.embed_dim
 
     @classmethod
-    def params_at_rank(cls, dense: nn.MultiheadAttention, rank: int) -> int:
+    def params_at_rank(cls, dense: nn.MultiheadAttention, rank: int, **options: object) -> int:
         bias = 4 * dense.embed_dim if dense.in_proj_bias is not None else 0
         return 4 * rank * 2 * dense.embed_dim + bias
 
@@ -224,6 +264,11 @@ class LowRankMultiheadAttention(LowRankModule):
                 if bias is not None:
                     proj.u.bias.copy_(bias)
         return layer
+
+    @classmethod
+    def rank_from_state_dict(cls, state: Mapping[str, torch.Tensor]
+                             ) -> tuple[int, dict[str, object]]:
+        return state["q_proj.v.weight"].shape[0], {}
 
     def to_dense(self) -> nn.MultiheadAttention:
         bias = self.out_proj.bias is not None

@@ -1,21 +1,35 @@
 """What every low-rank layer promises, and the registry that maps dense types to them.
 
 A low-rank layer is a small wrapper around the factors of one dense module (the PEFT/LoRA shape):
-``LowRankX.from_dense(dense, rank)`` builds it by truncated SVD and ``to_dense()`` merges it back.
-``factorize`` never special-cases a layer type; it only asks the class registered for the dense
-type these questions:
+``LowRankX.from_dense(dense, rank, **options)`` builds it by truncated SVD and ``to_dense()``
+merges it back. ``factorize`` never special-cases a layer type; it only asks the class registered
+for the dense type these questions:
 
 - ``unsupported_reason(dense)``: ``None``, or why this instance cannot be factorized
   (a grouped conv, a bidirectional LSTM, ...), shown in the report;
 - ``full_rank(dense)``: the largest meaningful rank;
-- ``params_at_rank(dense, rank)``: how many parameters the replacement would hold, so the
-  report can say "no parameter saving" before building anything.
+- ``params_at_rank(dense, rank, **options)``: how many parameters the replacement would hold, so
+  the report can say "no parameter saving" before building anything;
+- ``rank_from_state_dict(state)``: the ``(rank, options)`` of a layer whose ``state_dict`` is
+  ``state``, so that :func:`~pufferfish.load_factorized` can rebuild it on a fresh dense model.
 
-Third-party code adds a layer type with :func:`register_low_rank`.
+``options`` are the keyword options of ``factorize`` (``extra_bn=...``) passed to every class:
+a class takes those it knows and must accept (and ignore) the others, hence ``**options``.
+
+To code that reads a layer rather than calls it, a low-rank layer looks like the dense one: it
+mirrors the dense attributes (``in_features``, ``kernel_size``, ...) and, where the dense module
+has a ``weight``/``bias``, exposes them as read-only properties computed from the factors (the
+merged product: right shape, dtype and device; never a parameter, so never in ``state_dict``).
+
+Third-party code adds a layer type with :func:`register_low_rank` (docs/extending.md); types of
+optional libraries (Hugging Face ``Conv1D``) are registered on first sight, without importing the
+library (:data:`_LAZY`).
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Mapping
 from typing import ClassVar, Self
 
 import torch
@@ -25,12 +39,22 @@ __all__ = ["LowRankModule", "low_rank_class_for", "register_low_rank"]
 
 _REGISTRY: dict[type[nn.Module], type[LowRankModule]] = {}
 
+# (module, qualified name) of a dense type -> the pufferfish module that registers its low-rank
+# class. Imported only when ``factorize`` meets an instance, so the library is already loaded.
+_LAZY: dict[tuple[str, str], str] = {
+    ("transformers.pytorch_utils", "Conv1D"): "pufferfish.lowrank.hf",
+}
+
 
 class LowRankModule(nn.Module):
-    """Base class of the pre-factorized replacements of dense layers."""
+    """Base class of the pre-factorized replacements of dense layers.
+
+    Subclasses set ``dense_type`` (the dense class they replace) and, on instances, ``rank``.
+    (``rank`` is deliberately not annotated here: TorchScript cannot resolve class annotations
+    written as strings, and every low-rank layer must stay scriptable.)
+    """
 
     dense_type: ClassVar[type[nn.Module]]
-    rank: int
 
     @classmethod
     def unsupported_reason(cls, dense: nn.Module) -> str | None:
@@ -41,11 +65,21 @@ class LowRankModule(nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def params_at_rank(cls, dense: nn.Module, rank: int) -> int:
+    def params_at_rank(cls, dense: nn.Module, rank: int, **options: object) -> int:
         raise NotImplementedError
 
     @classmethod
     def from_dense(cls, dense: nn.Module, rank: int, **options: object) -> Self:
+        raise NotImplementedError
+
+    @classmethod
+    def rank_from_state_dict(cls, state: Mapping[str, torch.Tensor]
+                             ) -> tuple[int, dict[str, object]]:
+        """``(rank, from_dense options)`` of the layer whose ``state_dict()`` is ``state``.
+
+        Keys are relative to the layer (``"u.weight"``); raise ``KeyError`` when ``state`` does not
+        hold this class's factors.
+        """
         raise NotImplementedError
 
     def to_dense(self) -> nn.Module:
@@ -60,10 +94,21 @@ class LowRankModule(nn.Module):
 
 
 def register_low_rank(dense_type: type[nn.Module], low_rank_type: type[LowRankModule]) -> None:
-    """Make ``factorize`` replace modules of exactly ``dense_type`` by ``low_rank_type``."""
+    """Make ``factorize`` replace modules of exactly ``dense_type`` by ``low_rank_type``.
+
+    ``low_rank_type`` implements the protocol of :class:`LowRankModule`; docs/extending.md walks
+    through a complete example.
+    """
+    if not (isinstance(low_rank_type, type) and issubclass(low_rank_type, LowRankModule)):
+        raise TypeError(f"register_low_rank expects a LowRankModule subclass, got {low_rank_type!r}")
     _REGISTRY[dense_type] = low_rank_type
 
 
 def low_rank_class_for(module: nn.Module) -> type[LowRankModule] | None:
     """The registered low-rank class for ``module``'s exact type (subclasses may change forward)."""
-    return _REGISTRY.get(type(module))
+    kind = type(module)
+    if kind not in _REGISTRY:
+        adapter = _LAZY.get((kind.__module__, kind.__qualname__))
+        if adapter is not None:
+            importlib.import_module(adapter)  # registers the class for ``kind``
+    return _REGISTRY.get(kind)

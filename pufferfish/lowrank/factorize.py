@@ -15,21 +15,35 @@ Rules, in the order they are applied to each candidate module (the first that fi
    order (``named_modules``) otherwise: the two agree for sequential models, not always for models
    whose ``forward`` calls children out of registration order;
 4. the layer class reports the instance unsupported (grouped conv, bidirectional LSTM, ...) -> kept;
-5. the rank: the first matching ``overrides`` pattern (an ``int`` is a rank, a ``float`` a ratio),
+   so is a module whose weight a ``torch.nn.utils`` hook recomputes (``weight_norm``, ...);
+5. one of its parameters is also held by a module outside it (a tied weight: GPT-2's ``lm_head``
+   and ``wte``) -> kept, "weight tied to <name>": factorizing one holder would untie them; the first matching ``overrides`` pattern (an ``int`` is a rank, a ``float`` a ratio),
    else ``rank``, else ``rank_ratio`` of the layer's full rank; capped at the full rank;
-6. no parameter saving at that rank (``r·(m+n) ≥ m·n``) -> kept;
-7. otherwise replaced by ``LowRankX.from_dense(module, rank)``.
+6. no parameter saving at that rank (``params_at_rank`` and, once built, the replacement's own
+   count ≥ the dense count; ``extra_bn`` included) -> kept. So factorizing never enlarges a model;
+7. otherwise replaced by ``LowRankX.from_dense(module, rank, extra_bn=...)``.
 
 Modules inside a candidate (the ``out_proj`` of an ``nn.MultiheadAttention``) or inside an
-existing low-rank module are never candidates themselves, so factorizing twice is a no-op. A module
-reachable under several names (a shared module) is replaced under every name by one low-rank
-module, so it stays shared.
+existing low-rank module are never candidates themselves, so factorizing twice changes nothing (and
+warns, naming the low-rank modules already there). A module reachable under several names (a
+shared module) is replaced under every name by one low-rank module, so it stays shared.
+
+The replacement takes over what the dense module carried: train/eval mode, ``requires_grad`` (a
+frozen weight gives frozen factors), dtype and device, and its forward/backward hooks (the hook
+dictionaries themselves, so the user's handles still remove them). ``factorize`` is all-or-nothing:
+every replacement is built before the first is swapped in, and any error (including one in the
+after-MACs forward pass) puts every original module back before it is raised. A model whose root
+is itself a supported layer is an error (there is no parent to swap it in); a model where nothing
+was factorized gets a warning that says why.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Mapping
+import warnings
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -44,11 +58,15 @@ from .svd import rank_from_ratio
 __all__ = [
     "FactorizationReport",
     "LayerDecision",
+    "call_with_example",
     "count_macs",
     "factorizable_modules",
     "factorize",
+    "load_factorized",
     "merge",
 ]
+
+_HINT = "see pufferfish.register_low_rank"
 
 
 @dataclass
@@ -152,7 +170,7 @@ def count_macs(model: nn.Module, example_input: Any) -> int:
         for m, _ in kernels:
             m.fused = False
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            _call(model, example_input)
+            call_with_example(model, example_input)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
         for m, fused in kernels:
@@ -191,7 +209,8 @@ def factorize(
             models in :mod:`pufferfish.models` define ``"paper"``); its ``keep`` patterns are added
             to ``keep``.
         extra_bn: put a BatchNorm between the two factors of each conv (the paper's variant).
-        example_input: an input for ``model(example_input)`` (a tuple is unpacked); when given, the
+        example_input: what the model is called with (see :func:`call_with_example`: a tensor, a
+            tuple of positional arguments or a dict of keyword arguments); when given, the
             forward order is traced and the report carries MACs before and after.
 
     Every pattern must match at least one module name, so that a typo is an error rather than a
@@ -215,19 +234,24 @@ def factorize(
             raise ValueError(f"override {value!r} is invalid: allowed a rank (int >= 1) "
                              "or a ratio (float in (0, 1])")
 
+    _check_root(model)
     names_of = _names_by_module(model)
     all_names = [n for names in names_of.values() for n in names]
     for pattern in [*keep, *(include or []), *overrides]:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in all_names):
             raise ValueError(f"pattern {pattern!r} matches no module of {type(model).__name__}")
+    already_low_rank = _warn_if_already_low_rank(model, names_of)
 
     candidates, unsupported = _candidates(model, names_of)
     order = _forward_order(model, candidates, example_input) if example_input is not None else candidates
     hybrid = {id(m) for m in order[:keep_first]}
+    tied = _tied_parameters(model)
+    options: dict[str, Any] = {"extra_bn": extra_bn}
 
     params_before = count_params(model)
     macs_before = count_macs(model, example_input) if example_input is not None else None
     decisions: list[LayerDecision] = []
+    replacements: list[tuple[nn.Module, LowRankModule, list[str]]] = []
     for module in candidates:
         names = names_of[id(module)]
         cls = low_rank_class_for(module)
@@ -246,7 +270,7 @@ def factorize(
         if id(module) in hybrid:
             decision.reason = f"kept: hybrid, among the first {keep_first} layers"
             continue
-        why = cls.unsupported_reason(module)
+        why = cls.unsupported_reason(module) or _reparametrized(module) or _tie(module, tied)
         if why is not None:
             decision.reason = f"kept: {why}"
             continue
@@ -256,16 +280,16 @@ def factorize(
         chosen = overrides[hit] if hit is not None else (rank if rank is not None else rank_ratio)
         r = min(full, chosen) if isinstance(chosen, int) else rank_from_ratio(full, chosen)
         decision.rank = r
-        after = cls.params_at_rank(module, r)
-        if after >= decision.params_before:
+        after = cls.params_at_rank(module, r, **options)
+        low = cls.from_dense(module, r, **options) if after < decision.params_before else None
+        after = after if low is None else max(after, count_params(low))
+        if low is None or after >= decision.params_before:
             decision.reason = (f"kept: no parameter saving at rank {r} "
                                f"({after:,} >= {decision.params_before:,})")
             continue
-        low = cls.from_dense(module, r, extra_bn=extra_bn)
-        low.train(module.training)
-        for name in names:
-            _replace(model, name, low)
-        decision.factorized, decision.params_after = True, count_params(low)
+        carry_over(module, low)
+        replacements.append((module, low, names))
+        decision.factorized, decision.params_after = True, after
         how = "ratio" if isinstance(chosen, float) else "rank"
         decision.reason = f"factorized ({how} {chosen}" + (f", override {hit!r})" if hit else ")")
 
@@ -273,10 +297,59 @@ def factorize(
         names = names_of[id(module)]
         decisions.append(LayerDecision(
             name=names[0], aliases=names[1:], kind=type(module).__name__, shape=_shape(module),
-            factorized=False, reason="kept: unsupported type", params_before=count_params(module)))
+            factorized=False, reason=f"kept: unsupported type; {_HINT}",
+            params_before=count_params(module)))
 
-    macs_after = count_macs(model, example_input) if example_input is not None else None
-    return FactorizationReport(decisions, params_before, count_params(model), macs_before, macs_after)
+    with _swapped(model, replacements):
+        macs_after = count_macs(model, example_input) if example_input is not None else None
+    report = FactorizationReport(decisions, params_before, count_params(model), macs_before,
+                                 macs_after)
+    if not replacements and (decisions or not already_low_rank):
+        _warn_nothing_factorized(model, decisions)
+    return report
+
+
+def call_with_example(model: nn.Module, example_input: Any) -> Any:
+    """Call ``model`` on ``example_input`` as every pufferfish function does.
+
+    A ``tuple`` is the positional arguments, a mapping (a ``dict``, a Hugging Face
+    ``BatchEncoding``) the keyword arguments, anything else the single argument.
+    """
+    if isinstance(example_input, tuple):
+        return model(*example_input)
+    if isinstance(example_input, Mapping):
+        return model(**example_input)
+    return model(example_input)
+
+
+def carry_over(old: nn.Module, new: nn.Module) -> None:
+    """Give ``new``, which replaces ``old``, what ``old`` carried besides its weights.
+
+    Train/eval mode; ``requires_grad``: the matrices (factors) of ``new`` are trainable iff one
+    of ``old``'s ≥2-D parameters is, its vectors (biases, BN) iff one of ``old``'s vectors is (its
+    matrices' flag when it has none); forward and backward hooks: the hook dictionaries are taken
+    over, so a handle from ``old.register_forward_hook`` still removes the hook. State-dict hooks
+    are not (they depend on parameter names): a warning names the module type.
+    """
+    new.train(old.training)
+    matrices = [p.requires_grad for p in old.parameters() if p.dim() >= 2]
+    vectors = [p.requires_grad for p in old.parameters() if p.dim() < 2]
+    train_matrices = any(matrices) if matrices else True
+    train_vectors = any(vectors) if vectors else train_matrices
+    for p in new.parameters():
+        p.requires_grad_(train_matrices if p.dim() >= 2 else train_vectors)
+    for attr in _HOOK_DICTS:
+        setattr(new, attr, getattr(old, attr))
+    if any(getattr(old, attr) for attr in _STATE_DICT_HOOKS):
+        warnings.warn(f"the state_dict hooks of {type(old).__name__} are not carried over to its "
+                      f"{type(new).__name__} replacement", stacklevel=3)
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_backward_pre_hooks", "_is_full_backward_hook")
+_STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                     "_load_state_dict_post_hooks")
 
 
 def factorizable_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -303,15 +376,153 @@ def merge(model: nn.Module) -> nn.Module:
     Returns ``model`` (or the dense module when ``model`` itself is low-rank).
     """
     if isinstance(model, LowRankModule):
-        return model.to_dense()
+        dense = model.to_dense()
+        carry_over(model, dense)
+        return dense
     modules = {id(m): m for m in model.modules() if isinstance(m, LowRankModule)}
     names_of = _names_by_module(model)
+    replacements = []
     for module_id, module in modules.items():
         dense = module.to_dense()
-        dense.train(module.training)
-        for name in names_of[module_id]:
-            _replace(model, name, dense)
+        carry_over(module, dense)
+        replacements.append((module, dense, names_of[module_id]))
+    with _swapped(model, replacements):  # every merge built first: all or nothing
+        pass
     return model
+
+
+def load_factorized(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
+    """Load a factorized model's ``state_dict`` into a freshly built dense ``model``; return it.
+
+    Which modules are low-rank, and at which rank, is read from ``state_dict``: a module whose
+    entries are not its dense ones (``fc.u.weight``/``fc.v.weight`` instead of ``fc.weight``) is
+    rebuilt by its low-rank class at the rank of those factors (``rank_from_state_dict``), then
+    every value is loaded, strictly: a key missing or left over, or a shape that does not fit, is a
+    ``ValueError`` and leaves ``model`` as it was. The one tolerance is a tied parameter saved under
+    one of its names only (Hugging Face ``save_pretrained`` drops ``lm_head.weight``).
+
+    The way to reload a model saved factorized: build it as before (``Model(config)``), then
+    ``load_factorized(model, torch.load(path, weights_only=True))`` or
+    ``safetensors.torch.load_file(path)``.
+    """
+    names_of = _names_by_module(model)
+    candidates, _ = _candidates(model, names_of)
+    replacements = []
+    for module in candidates:
+        names = names_of[id(module)]
+        prefix = names[0] + "."
+        own = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        if not set(own) - set(module.state_dict()):
+            continue  # dense entries (or none: the strict check below reports them)
+        cls = low_rank_class_for(module)
+        assert cls is not None
+        try:
+            rank, options = cls.rank_from_state_dict(own)
+        except KeyError:
+            raise ValueError(f"state_dict entries of {names[0]!r} ({', '.join(sorted(own))}) fit "
+                             f"neither a dense {type(module).__name__} nor a {cls.__name__}"
+                             ) from None
+        low = cls.from_dense(module, min(rank, cls.full_rank(module)), **options)
+        carry_over(module, low)
+        replacements.append((module, low, names))
+    with _swapped(model, replacements):
+        _check_loadable(model, state_dict)
+        model.load_state_dict(state_dict, strict=False)  # every key checked just above
+    return model
+
+
+def _check_loadable(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Raise ``ValueError`` unless ``state_dict`` fits ``model`` exactly (tied aliases aside)."""
+    expected = model.state_dict(keep_vars=True)
+    holders: dict[int, set[str]] = {}
+    for key, value in expected.items():
+        holders.setdefault(id(value), set()).add(key)
+    missing = [k for k in expected if k not in state_dict
+               and not any(alias in state_dict for alias in holders[id(expected[k])])]
+    unexpected = [k for k in state_dict if k not in expected]
+    wrong = [f"{k} {tuple(state_dict[k].shape)} != {tuple(expected[k].shape)}"
+             for k in state_dict if k in expected and state_dict[k].shape != expected[k].shape]
+    problems = [f"{what}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
+                for what, keys in (("missing", missing), ("unexpected", unexpected),
+                                   ("wrong shape", wrong)) if keys]
+    if problems:
+        raise ValueError(f"state_dict does not fit {type(model).__name__} (rebuilt low-rank "
+                         f"where its factors say so): {'; '.join(problems)}")
+
+
+@contextmanager
+def _swapped(model: nn.Module, replacements: list[tuple[nn.Module, nn.Module, list[str]]]
+             ) -> Iterator[None]:
+    """Swap each ``(old, new, names)`` in under every name; on any error inside, swap back."""
+    done: list[tuple[str, nn.Module]] = []
+    try:
+        for old, new, names in replacements:
+            for name in names:
+                _replace(model, name, new)
+                done.append((name, old))
+        yield
+    except BaseException:
+        for name, old in reversed(done):
+            _replace(model, name, old)
+        raise
+
+
+def _check_root(model: nn.Module) -> None:
+    """A root module that is itself a supported layer has no parent to be swapped into."""
+    cls = low_rank_class_for(model)
+    if cls is not None:
+        raise ValueError(f"the model itself is a {type(model).__name__}: factorize replaces "
+                         f"submodules in place, so wrap it (nn.Sequential(model)) or build the "
+                         f"replacement yourself ({cls.__name__}.from_dense(model, rank))")
+
+
+def _warn_if_already_low_rank(model: nn.Module, names_of: dict[int, list[str]]) -> bool:
+    low = [names_of[id(m)][0] or "<root>" for m in model.modules() if isinstance(m, LowRankModule)]
+    if low:
+        listed = ", ".join(low[:5]) + (f" and {len(low) - 5} more" if len(low) > 5 else "")
+        warnings.warn(f"{type(model).__name__} is already factorized: {len(low)} low-rank "
+                      f"module(s) ({listed}) are left as they are", stacklevel=3)
+    return bool(low)
+
+
+def _warn_nothing_factorized(model: nn.Module, decisions: list[LayerDecision]) -> None:
+    if not decisions:
+        why = "no module with a weight matrix (or all are already low-rank)"
+    else:
+        counts = Counter(d.reason.removeprefix("kept: ").split(" (")[0].split(";")[0]
+                         for d in decisions)
+        hint = {"unsupported type": f"unsupported type ({_HINT}, docs/extending.md)"}
+        why = "; ".join(f"{n} x {hint.get(reason, reason)}" for reason, n in counts.most_common())
+    warnings.warn(f"factorize changed nothing in {type(model).__name__}: {why}", stacklevel=3)
+
+
+def _tied_parameters(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(parameter) -> every ``(module, qualified parameter name)`` that registers it."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, p in module.named_parameters(recurse=False):
+            entry = (module, f"{module_name}.{name}" if module_name else name)
+            if all(m is not module for m, _ in holders.get(id(p), [])):
+                holders.setdefault(id(p), []).append(entry)
+    return holders
+
+
+def _tie(module: nn.Module, holders: dict[int, list[tuple[nn.Module, str]]]) -> str | None:
+    """Why ``module`` must stay dense: one of its parameters is also held outside it."""
+    inside = {id(m) for m in module.modules()}
+    for name, p in module.named_parameters():
+        outside = [qualified for m, qualified in holders.get(id(p), []) if id(m) not in inside]
+        if outside:
+            return f"{name} tied to {outside[0]}"
+    return None
+
+
+def _reparametrized(module: nn.Module) -> str | None:
+    """A weight recomputed by a ``torch.nn.utils`` pre-hook (``weight_norm``, ``spectral_norm``)."""
+    for hook in module._forward_pre_hooks.values():
+        if type(hook).__module__.startswith("torch.nn.utils"):
+            return f"weight recomputed by {type(hook).__name__} (torch.nn.utils)"
+    return None
 
 
 def _preset(model: nn.Module, preset: str) -> dict[str, Any]:
@@ -392,5 +603,3 @@ def _shape(module: nn.Module) -> str:
     return "-"
 
 
-def _call(model: nn.Module, example_input: Any) -> Any:
-    return model(*example_input) if isinstance(example_input, tuple) else model(example_input)

@@ -3,10 +3,15 @@
 Both follow the paper: the dense weight ``W ≈ U√Σ · √ΣVᵀ`` becomes two layers applied in turn,
 first ``v`` (weight ``√ΣVᵀ``: input -> rank) and then ``u`` (weight ``U√Σ``: rank -> output),
 the bias staying with ``u`` so that the output is the dense layer's at full rank.
+
+To code that reads them, both look like the dense layer: its attributes (``in_features``,
+``kernel_size``, ``stride``, ...) and read-only ``weight``/``bias`` properties, the merged product
+computed from the factors on each read (``bias`` with the extra BN folded in, as ``to_dense``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Self
 
 import torch
@@ -33,12 +38,21 @@ class LowRankLinear(LowRankModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.u(self.v(x))
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The merged ``(out_features, in_features)`` weight ``u @ v`` (read-only, not a parameter)."""
+        return self.u.weight @ self.v.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.u.bias
+
     @classmethod
     def full_rank(cls, dense: nn.Linear) -> int:
         return min(dense.in_features, dense.out_features)
 
     @classmethod
-    def params_at_rank(cls, dense: nn.Linear, rank: int) -> int:
+    def params_at_rank(cls, dense: nn.Linear, rank: int, **options: object) -> int:
         bias = dense.out_features if dense.bias is not None else 0
         return rank * (dense.in_features + dense.out_features) + bias
 
@@ -55,12 +69,17 @@ class LowRankLinear(LowRankModule):
                 layer.u.bias.copy_(dense.bias)
         return layer
 
+    @classmethod
+    def rank_from_state_dict(cls, state: Mapping[str, torch.Tensor]
+                             ) -> tuple[int, dict[str, object]]:
+        return state["v.weight"].shape[0], {}
+
     def to_dense(self) -> nn.Linear:
         w = self.u.weight
         dense = nn.Linear(self.in_features, self.out_features, bias=self.u.bias is not None,
                           device=w.device, dtype=w.dtype)
         with torch.no_grad():
-            dense.weight.copy_(self.u.weight @ self.v.weight)
+            dense.weight.copy_(self.weight)
             if self.u.bias is not None:
                 dense.bias.copy_(self.u.bias)
         return dense
@@ -92,18 +111,46 @@ class LowRankConv2d(LowRankModule):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_channels, self.out_channels, self.rank = in_channels, out_channels, rank
-        self.kernel_size = kernel_size
         self.v = nn.Conv2d(in_channels, rank, kernel_size, stride=stride, padding=padding,
                            dilation=dilation, bias=False, padding_mode=padding_mode,
                            device=device, dtype=dtype)
         self.bn = nn.BatchNorm2d(rank, device=device, dtype=dtype) if extra_bn else None
         self.u = nn.Conv2d(rank, out_channels, 1, bias=bias, device=device, dtype=dtype)
+        # The dense conv's attributes, for code that reads them (torchvision, timm, HF).
+        self.kernel_size = self.v.kernel_size
+        self.stride, self.padding, self.dilation = self.v.stride, self.v.padding, self.v.dilation
+        self.padding_mode, self.groups = padding_mode, 1
+        self.transposed, self.output_padding = False, (0, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.v(x)
         if self.bn is not None:
             x = self.bn(x)
         return self.u(x)
+
+    def _merged(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The dense ``(weight, bias)``, the extra BN's inference-time affine map folded in."""
+        left, right = self.u.weight.flatten(1), self.v.weight.flatten(1)
+        bias = self.u.bias
+        bn = self.bn
+        if bn is not None:
+            # z -> scale*z + shift between the factors: scale the right factor, shift the bias.
+            scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+            shift = bn.bias - bn.running_mean * scale
+            right = right * scale[:, None]
+            bias = left @ shift if bias is None else bias + left @ shift
+        weight = (left @ right).reshape(self.out_channels, self.in_channels,
+                                        self.kernel_size[0], self.kernel_size[1])
+        return weight, bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The merged ``(out, in, kh, kw)`` weight (read-only, not a parameter)."""
+        return self._merged()[0]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self._merged()[1]
 
     @classmethod
     def unsupported_reason(cls, dense: nn.Conv2d) -> str | None:
@@ -117,10 +164,12 @@ class LowRankConv2d(LowRankModule):
         return min(dense.out_channels, dense.in_channels * kh * kw)
 
     @classmethod
-    def params_at_rank(cls, dense: nn.Conv2d, rank: int) -> int:
+    def params_at_rank(cls, dense: nn.Conv2d, rank: int, extra_bn: bool = False,
+                       **options: object) -> int:
         kh, kw = dense.kernel_size
         bias = dense.out_channels if dense.bias is not None else 0
-        return rank * (dense.in_channels * kh * kw + dense.out_channels) + bias
+        bn = 2 * rank if extra_bn else 0
+        return rank * (dense.in_channels * kh * kw + dense.out_channels) + bias + bn
 
     @classmethod
     def from_dense(cls, dense: nn.Conv2d, rank: int, extra_bn: bool = False,
@@ -138,25 +187,22 @@ class LowRankConv2d(LowRankModule):
                 layer.u.bias.copy_(dense.bias)
         return layer
 
+    @classmethod
+    def rank_from_state_dict(cls, state: Mapping[str, torch.Tensor]
+                             ) -> tuple[int, dict[str, object]]:
+        return state["v.weight"].shape[0], {"extra_bn": "bn.weight" in state}
+
     def to_dense(self) -> nn.Conv2d:
         v, u = self.v, self.u
-        dense = nn.Conv2d(self.in_channels, self.out_channels, self.kernel_size, stride=v.stride,
-                          padding=v.padding, dilation=v.dilation, bias=True,
-                          padding_mode=v.padding_mode, device=u.weight.device, dtype=u.weight.dtype)
-        left, right = self.u.weight.flatten(1), self.v.weight.flatten(1)
-        bias = u.bias if u.bias is not None else torch.zeros_like(left[:, 0])
-        if self.bn is not None:
-            # Fold the BN's inference-time affine map z -> scale*z + shift into the factors.
-            bn = self.bn
-            scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
-            shift = bn.bias - bn.running_mean * scale
-            right = right * scale[:, None]
-            bias = bias + left @ shift
         with torch.no_grad():
-            dense.weight.copy_((left @ right).reshape(dense.weight.shape))
-            dense.bias.copy_(bias)
-        if u.bias is None and self.bn is None:
-            dense.bias = None
+            weight, bias = self._merged()
+        dense = nn.Conv2d(self.in_channels, self.out_channels, self.kernel_size, stride=v.stride,
+                          padding=v.padding, dilation=v.dilation, bias=bias is not None,
+                          padding_mode=v.padding_mode, device=u.weight.device, dtype=u.weight.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(weight)
+            if bias is not None:
+                dense.bias.copy_(bias)
         return dense
 
     def factor_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -33,6 +33,7 @@ shapes at the switch and keeps the faster (:func:`pufferfish.auto.time_lstm_kern
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Self
 
 import torch
@@ -85,6 +86,7 @@ class LowRankLSTM(LowRankModule):
         self.input_size, self.hidden_size, self.rank = input_size, hidden_size, rank
         self.num_layers, self.bias = num_layers, bias
         self.batch_first, self.dropout, self.fused = batch_first, dropout, fused
+        self.bidirectional, self.proj_size, self.mode = False, 0, "LSTM"  # as nn.LSTM's
         factory = {"device": device, "dtype": dtype}
         for suffix, rows, cols in _matrices(input_size, hidden_size, num_layers):
             r = min(rank, rows, cols)
@@ -178,6 +180,12 @@ class LowRankLSTM(LowRankModule):
 
         return layer_input, torch.stack(h_n), torch.stack(c_n)
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        """Called by ``torch.jit.script``: say clearly why this layer cannot be scripted."""
+        raise TypeError("LowRankLSTM cannot be compiled by torch.jit.script (its forward walks the layers' factors by name and picks a kernel in Python); "
+                        "use torch.compile or torch.export, or script the merged model "
+                        "(pufferfish.merge)")
+
     @classmethod
     def unsupported_reason(cls, dense: nn.LSTM) -> str | None:
         return _unsupported(dense.bidirectional, dense.proj_size)
@@ -189,7 +197,7 @@ class LowRankLSTM(LowRankModule):
                                                   dense.num_layers))
 
     @classmethod
-    def params_at_rank(cls, dense: nn.LSTM, rank: int) -> int:
+    def params_at_rank(cls, dense: nn.LSTM, rank: int, **options: object) -> int:
         matrices = _matrices(dense.input_size, dense.hidden_size, dense.num_layers)
         biases = sum(rows for _, rows, _ in matrices) if dense.bias else 0
         return sum(min(rank, rows, cols) * (rows + cols) for _, rows, cols in matrices) + biases
@@ -210,6 +218,14 @@ class LowRankLSTM(LowRankModule):
                 if dense.bias:
                     getattr(layer, f"bias_{suffix}").copy_(getattr(dense, f"bias_{suffix}"))
         return layer
+
+    @classmethod
+    def rank_from_state_dict(cls, state: Mapping[str, torch.Tensor]
+                             ) -> tuple[int, dict[str, object]]:
+        ranks = [t.shape[0] for name, t in state.items() if name.startswith("v_")]
+        if not ranks:
+            raise KeyError("v_ih_l0")
+        return max(ranks), {}
 
     def to_dense(self) -> nn.LSTM:
         w = self.u_ih_l0
