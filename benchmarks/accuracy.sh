@@ -12,7 +12,8 @@ export OMP_NUM_THREADS=1
 for mode in $MODES; do
   echo "=== $mode"
   .venv/bin/python -m torch.distributed.run --nproc-per-node 2 --master-port $((29500 + RANDOM % 1000)) \
-    -m pufferfish train --config "$config" --mode "$mode" --out "$out/$mode" --no-progress "$@" 2>&1 \
+    -m pufferfish train --config "$config" --mode "$mode" --out "$out/$mode" --overwrite \
+    --no-progress "$@" 2>&1 \
     | grep -E "^epoch|^parameters|^MACs|error" || true
 done
 runs=(); for mode in $MODES; do runs+=("$out/$mode"); done

@@ -7,14 +7,13 @@ PF=".venv/bin/python -m"
 OUT=${OUT:-runs/demo}
 COMMON=(--config configs/resnet18_fashion.toml --width 0.25 --train-subset 10000
         --test-subset 2000 --epochs 8 --warmup-epochs 1 --batch-size 64 --no-progress)
-rm -rf "$OUT"
 echo "=== pufferfish factorize --model resnet18 vgg19_bn   (width 1.0, CIFAR-10 shapes)"
 $PF pufferfish factorize --model resnet18 vgg19_bn | grep -E "^==|^parameters|^MACs"
 export OMP_NUM_THREADS=1
 for mode in full pufferfish; do
   echo "=== $mode: torchrun --nproc-per-node 2 -m pufferfish train --mode $mode ${COMMON[*]}"
   $PF torch.distributed.run --nproc-per-node 2 --master-port $((29500 + RANDOM % 1000)) \
-    -m pufferfish train "${COMMON[@]}" --mode "$mode" --out "$OUT/$mode" 2>&1 \
+    -m pufferfish train "${COMMON[@]}" --mode "$mode" --out "$OUT/$mode" --overwrite 2>&1 \
     | grep -v -e "^W.*torch/distributed/run.py" -e "^\*\*\*"
 done
 echo "=== pufferfish report $OUT/full $OUT/pufferfish --out $OUT"

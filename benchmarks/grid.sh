@@ -17,8 +17,9 @@ run() {
   runs+=("$out/$name")
   [[ -e "$out/$name/.finished" ]] && { echo "=== $name (done before)"; return; }
   echo "=== $name"
-  rm -rf "${out:?}/$name"; mkdir -p "$out"
-  if .venv/bin/python -m pufferfish train --config "$config" --out "$out/$name" --no-progress "$@" \
+  mkdir -p "$out"
+  if .venv/bin/python -m pufferfish train --config "$config" --out "$out/$name" --overwrite \
+      --no-progress "$@" \
       > "$out/$name.log" 2>&1; then
     touch "$out/$name/.finished"
   fi

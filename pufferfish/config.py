@@ -92,6 +92,7 @@ class TrainConfig:
     # Run directory and checkpoints
     out: str = ""  # run directory (empty: runs/<model>-<mode>)
     resume: str = ""  # run directory to continue, or "auto": continue --out if it has a checkpoint
+    overwrite: bool = False  # a new run may replace the earlier run in --out (its files only)
     checkpoint_every_epochs: int = 1
     checkpoint_every_steps: int = 0  # 0: only at epoch ends
     keep_checkpoints: int = 3
@@ -151,6 +152,9 @@ class TrainConfig:
         if not 0 < self.max_rank_ratio <= 1:
             raise ConfigError(f"max_rank_ratio {self.max_rank_ratio!r} is out of range: "
                               "allowed 0 < ratio <= 1")
+        if self.overwrite and self.resume == "auto":
+            raise ConfigError("overwrite true is invalid with resume 'auto' (continue the run if "
+                              "there is one): allowed one of them")
         self._validate_baselines()
         if sorted(self.milestones) != list(self.milestones) or not all(
                 0 < m < 1 for m in self.milestones):

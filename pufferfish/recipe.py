@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,6 +167,12 @@ class Recipe:
 
     def on_epoch_start(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                        scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        """Call at the start of every epoch: :meth:`switch` when it is time, else nothing.
+
+        Returns ``(model, optimizer, scheduler)``, the same objects except a DDP ``model``
+        re-wrapped at the switch. The first call checks keep patterns and preset against
+        ``model``; with automatic choices, epoch 0 records the stable ranks at initialization.
+        """
         if self.should_switch(epoch, model):
             return self.switch(epoch, model, optimizer, scheduler)
         if self.detector is not None and epoch == 0:
@@ -180,8 +187,10 @@ class Recipe:
         """
         if self._model_checked or self.switched:
             return
-        factorize(_unwrap(model), keep=list(self.keep), preset=self.preset,
-                  keep_first=self.keep_first, include=[])
+        with warnings.catch_warnings():  # "changed nothing" is this dry run's purpose
+            warnings.simplefilter("ignore", UserWarning)
+            factorize(_unwrap(model), keep=list(self.keep), preset=self.preset,
+                      keep_first=self.keep_first, include=[])
         if isinstance(model, DistributedDataParallel):
             ddp_options(model)  # a wrapper that cannot be rebuilt fails now
         self._model_checked = True
@@ -510,7 +519,10 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
     if not (number(args["min_warmup"]) and args["min_warmup"] >= 0):
         raise bad("min_warmup", "a number of epochs >= 0")
     high = args["max_warmup"]
-    if high is not None and not (number(high) and high >= args["min_warmup"]):
+    if high is not None and not number(high):
+        raise bad("max_warmup", "None or a number of epochs")
+    detector = "auto" in (warmup, args["rank_ratio"])  # the only user of min/max_warmup
+    if detector and high is not None and high < args["min_warmup"]:
         raise bad("max_warmup", f"None or a number of epochs >= min_warmup ({args['min_warmup']})")
     if not (number(args["switch_threshold"]) and args["switch_threshold"] >= 0):
         raise bad("switch_threshold", "a number >= 0 (relative change per epoch)")

@@ -336,6 +336,71 @@ def test_sigkill_during_writes_leaves_a_complete_checkpoint(tmp_path: Path) -> N
     assert not [n for n in _files(tmp_path) if n.endswith(".tmp")]
 
 
+_FAULTED_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from pufferfish.training.checkpoint import save_checkpoint
+    for step in (1, 2):
+        save_checkpoint(sys.argv[1], {"i": step, "w": torch.full((4,), float(step))}, step)
+    """
+)
+
+
+@pytest.mark.parametrize("point", ["save-payload", "save-manifest"])
+def test_a_kill_at_a_save_fault_point_leaves_the_previous_checkpoint(
+        tmp_path: Path, point: str) -> None:
+    """The fault points of ``PUFFERFISH_KILL_DURING`` (used by benchmarks/faults.sh) strike inside
+    the write: a temp file only, or a payload without its manifest; the previous one verifies."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
+           "PUFFERFISH_KILL_AT_STEP": "2", "PUFFERFISH_KILL_DURING": point,
+           "PUFFERFISH_KILL_MARKER": str(tmp_path / "marker")}
+    result = subprocess.run([sys.executable, "-c", _FAULTED_WRITER, str(tmp_path)], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert (tmp_path / "marker").read_text().split()[:2] == [point, "2"]
+    files = _files(tmp_path)
+    if point == "save-payload":
+        assert files[1:] == ["ckpt-000000001.json", "ckpt-000000001.pt"]
+        assert files[0].startswith(".ckpt-000000002.pt.") and files[0].endswith(".tmp")
+    else:
+        assert files == ["ckpt-000000001.json", "ckpt-000000001.pt", "ckpt-000000002.pt"]
+    found, rejected = ck.find_latest(tmp_path)
+    assert found is not None and found[0]["i"] == 1
+    assert [(p.name, "no manifest" in why) for p, why in rejected] == (
+        [] if point == "save-payload" else [("ckpt-000000002.pt", True)])
+
+
+def test_find_latest_names_what_it_rejects_and_set_aside_keeps_it(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, _small_state(step), step)
+    ckpt_dir = tmp_path / "checkpoints"
+    (ckpt_dir / "ckpt-000000003.pt").write_bytes(b"not a checkpoint")
+    (ckpt_dir / "ckpt-000000002.json").unlink()
+    found, rejected = ck.find_latest(tmp_path)
+    assert found is not None and found[0]["i"] == 1
+    assert [p.name for p, _ in rejected] == ["ckpt-000000003.pt", "ckpt-000000002.pt"]
+    assert "ckpt-000000003.pt is 16 bytes, manifest says" in rejected[0][1]
+    assert "ckpt-000000002.pt has no manifest" in rejected[1][1]
+    assert len(_files(tmp_path)) == 5  # looking changes nothing
+
+    payload = (ckpt_dir / "ckpt-000000003.pt").read_bytes()
+    moved = [p.name for path, _ in rejected for p in ck.set_aside(path)]  # as a resume does
+    assert moved == ["ckpt-000000003.pt", "ckpt-000000003.json", "ckpt-000000002.pt"]
+    assert (ckpt_dir / "rejected" / "ckpt-000000003.pt").read_bytes() == payload
+    assert _files(tmp_path) == ["ckpt-000000001.json", "ckpt-000000001.pt", "rejected"]
+    # The same step rejected again (a later fault) does not replace the first one.
+    save_checkpoint(tmp_path, _small_state(33), 3)
+    again = ck.set_aside(ckpt_dir / "ckpt-000000003.pt")
+    assert [p.name for p in again] == ["ckpt-000000003.1.pt", "ckpt-000000003.1.json"]
+    assert (ckpt_dir / "rejected" / "ckpt-000000003.pt").read_bytes() == payload
+    assert torch.load(again[0], weights_only=True)["i"] == 33  # a valid one moves the same
+    # Neither the listing of checkpoint files nor pruning looks inside rejected/.
+    save_checkpoint(tmp_path, _small_state(9), 9, keep_last=1)
+    assert [p.name for p in ck.checkpoint_files(tmp_path)] == [
+        "ckpt-000000009.json", "ckpt-000000009.pt"]
+    assert len(list((ckpt_dir / "rejected").iterdir())) == 5
+
+
 def test_verify_compatible_names_keys_and_values() -> None:
     saved = {
         "layer4.0.conv1": {"rank": 64, "low_rank": True},

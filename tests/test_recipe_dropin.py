@@ -235,8 +235,9 @@ def test_lr_schedule_is_unchanged_by_the_switch(name: str) -> None:
     ({"extra_bn": "yes"}, "extra_bn 'yes' is invalid: allowed True or False"),
     ({"on_wrap": 1}, "on_wrap 1 is invalid: allowed a callable"),
     ({"min_warmup": -1}, "min_warmup -1 is invalid"),
-    ({"min_warmup": 3, "max_warmup": 2}, "max_warmup 2 is invalid: allowed None or a number of "
-                                         "epochs >= min_warmup (3)"),
+    ({"warmup_epochs": "auto", "min_warmup": 3, "max_warmup": 2},
+     "max_warmup 2 is invalid: allowed None or a number of epochs >= min_warmup (3)"),
+    ({"max_warmup": "2"}, "max_warmup '2' is invalid"),
     ({"switch_threshold": -0.1}, "switch_threshold -0.1 is invalid: allowed a number >= 0"),
     ({"switch_window": 0}, "switch_window 0 is invalid: allowed a number of epochs > 0"),
 ])
@@ -359,6 +360,24 @@ def _on_wrap_topk(ddp: DDP) -> None:
     register_comm_hook(ddp, "topk", ratio=0.5)
 
 
+def _mixed_precision_rewrap() -> dict[str, Any]:
+    """Construction only: DDP's mixed precision needs CUDA events for a forward pass."""
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    from pufferfish.distributed.env import rewrap_ddp
+
+    model = _mlp()
+    ddp = DDP(model, mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+
+    def hooks() -> tuple[int, int]:
+        return len(ddp._comm_hooks), sum(len(m._forward_pre_hooks) for m in model.modules())
+
+    before = hooks()
+    old, ddp = ddp, rewrap_ddp(ddp)
+    return {"options_kept": ddp_options(ddp) == ddp_options(old), "hooks": (before, hooks()),
+            "mixed_precision": ddp.mixed_precision == old.mixed_precision}
+
+
 def _ddp_worker(rank: int, port: int, queue: Any) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -372,6 +391,7 @@ def _ddp_worker(rank: int, port: int, queue: Any) -> None:
             "topk": _ddp_run(rank, dict(find_unused_parameters=True), hook="topk"),
             "on_wrap": _ddp_run(rank, dict(find_unused_parameters=True), hook="topk",
                                 on_wrap=_on_wrap_topk),
+            "mixed_precision": _mixed_precision_rewrap(),
         }
         queue.put((rank, results))
     except Exception as error:  # report it to the parent instead of hanging it
@@ -426,3 +446,39 @@ def test_ddp_rewrap_reuses_pufferfish_hook_state_or_calls_on_wrap(
             assert r["options_kept"] and r["find_unused"] and r["replica_gap"] == 0.0
         assert ddp_results[rank]["topk"]["hook_calls_after"] >= 3  # the same state, still in use
         assert ddp_results[rank]["on_wrap"]["hook_calls_after"] == 0  # on_wrap's hook instead
+
+
+def test_ddp_rewrap_mixed_precision_is_set_up_once(ddp_results: dict[int, Any]) -> None:
+    r = ddp_results[0]["mixed_precision"]
+    assert r["options_kept"] and r["mixed_precision"]
+    before, after = r["hooks"]
+    assert before == after  # DDP's own upcast comm hook and copy hooks, not twice
+
+
+def test_swap_follows_a_tied_weight_by_name() -> None:
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    model[1].weight = model[0].weight  # tied: one tensor under two names
+    opt = torch.optim.SGD(_decay_groups(model), lr=0.1, momentum=0.9)
+    _step_on(model, opt)
+    tied_state = opt.state[model[0].weight]
+    before = dict(model.named_parameters(remove_duplicate=False))
+    model[1] = nn.Sequential(nn.Linear(32, 4, bias=False), nn.Linear(4, 32))  # "factorized"
+    swap = pf.swap_parameters(opt, before, dict(model.named_parameters(remove_duplicate=False)))
+    assert swap.added == {"1.0.weight": 0, "1.1.weight": 0, "1.1.bias": 1} and not swap.notes
+    assert swap.removed == ["1.bias"]  # the tied weight lives on in model[0]
+    assert opt.state[model[0].weight] is tied_state
+
+
+def _step_on(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.randn(4, 32)).square().mean().backward()
+    opt.step()
+
+
+def test_first_call_check_is_silent_on_a_good_model(recwarn: pytest.WarningsRecorder) -> None:
+    """The dry-run factorize that checks keep patterns changes nothing on purpose: no warning."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recipe = pf.Recipe(warmup_epochs=1, keep=["2"])
+    recipe.on_epoch_start(0, model, opt)
+    assert not [w for w in recwarn if "changed nothing" in str(w.message)]

@@ -10,6 +10,7 @@ refused without running anything.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import pickle
@@ -296,8 +297,6 @@ def _plant(run: Path, step: int, obj: Any) -> Path:
     pt = run / "checkpoints" / f"ckpt-{step:09d}.pt"
     torch.save(obj, pt)
     data = pt.read_bytes()
-    import hashlib
-
     pt.with_suffix(".json").write_text(json.dumps({
         "format": ck.MANIFEST_FORMAT, "version": ck.MANIFEST_VERSION, "file": pt.name,
         "step": step, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
@@ -350,6 +349,9 @@ def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
     }
     tiny = [*SMALL, "--train-subset", "64", "--test-subset", "16", "--epochs", "1",
             "--warmup-epochs", "0", "--out", str(tmp / "never")]
+    started = tmp / "started"  # a run killed before its first checkpoint
+    started.mkdir()
+    (started / "config.toml").write_text(dump_toml(TrainConfig(out=str(started))))
     return [
         # flags
         (["train", "--lrr", "0.1"], "unrecognized arguments: --lrr 0.1 (did you mean --lr?)"),
@@ -378,6 +380,13 @@ def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
          "unknown dataset"),
         # run directories
         (["train", "--resume", str(tmp / "not-a-run")], "no config.toml there, not a run"),
+        (["train", "--resume", str(started)], f"--resume {started}: no checkpoint in "
+         f"{started / 'checkpoints'} to continue from; to start the run anew there use "
+         "--overwrite without --resume"),
+        (["train", "--resume", str(started), "--overwrite"],
+         "overwrite true is invalid with --resume"),
+        (["train", *tiny, "--resume", "auto", "--overwrite"],
+         "overwrite true is invalid with resume 'auto'"),
     ]
 
 
@@ -448,11 +457,187 @@ def test_interrupt_during_a_checkpoint_write_is_deferred(tmp_path: Path) -> None
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
-def test_fresh_run_removes_an_earlier_runs_checkpoints(tmp_path: Path) -> None:
-    """Otherwise a later resume could continue a checkpoint of the earlier run."""
-    from pufferfish.training.startup import _remove_checkpoints
+# -- nothing the user made is deleted unasked ----------------------------------------------------
 
-    save_checkpoint(tmp_path, {"x": 1}, 100)
-    (tmp_path / "checkpoints" / "notes.txt").write_text("mine")
-    _remove_checkpoints(tmp_path)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["notes.txt"]
+def files_with_digests(directory: Path) -> dict[str, str]:
+    """Every file under ``directory`` and its SHA-256: what "nothing was changed" compares."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _unreadable_run(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A run directory none of whose checkpoints verifies, in three ways; and the reasons."""
+    run, cfg = _run_dir(tmp_path)
+    for step in (2, 4, 6):
+        save_checkpoint(run, {"config": cfg.to_dict(), "model": {}, "epoch": 0}, step)
+    ckpts = run / "checkpoints"
+    (ckpts / "ckpt-000000006.pt").write_bytes(b"copied badly")
+    flipped = bytearray((ckpts / "ckpt-000000004.pt").read_bytes())
+    flipped[-20] ^= 1
+    (ckpts / "ckpt-000000004.pt").write_bytes(bytes(flipped))
+    (ckpts / "ckpt-000000002.json").unlink()
+    return run, [f"{ckpts / 'ckpt-000000006.pt'} is 12 bytes, manifest says",
+                 f"{ckpts / 'ckpt-000000004.pt'} fails its SHA-256 check (corrupted)",
+                 f"{ckpts / 'ckpt-000000002.pt'} has no manifest"]
+
+
+@pytest.mark.parametrize("how", ["--resume RUN", "--resume auto", "restart", "restart+overwrite"])
+def test_resume_refuses_when_no_checkpoint_verifies_and_deletes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        how: str) -> None:
+    """Asked to resume (or restarted by torchelastic), a run whose checkpoints all fail to verify
+    stops in one line naming each file and why; it neither starts over nor removes them."""
+    run, reasons = _unreadable_run(tmp_path)
+    before = files_with_digests(run)
+    same = ["train", "--config", str(run / "config.toml")]
+    argv = {"--resume RUN": ["train", "--resume", str(run)],
+            "--resume auto": [*same, "--resume", "auto"],
+            "restart": same,  # what torchrun runs again, TORCHELASTIC_RESTART_COUNT > 0
+            "restart+overwrite": [*same, "--overwrite"]}[how]
+    if how.startswith("restart"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    code, _, err = cli(argv, capsys)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"no checkpoint in {run} verifies, so nothing was resumed and nothing removed" in err
+    for reason in reasons:
+        assert reason in err
+    assert files_with_digests(run) == before
+
+
+def test_unrelated_files_are_not_an_earlier_run(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A directory of one's own files is no run: a new run may use it, and leaves them alone."""
+    out = tmp_path / "mine"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    (out / "checkpoints" / "model-final.pt").write_text("mine too")
+    before = files_with_digests(out)
+    # A missing data directory fails after the run directory was accepted (which comes first).
+    code, _, err = cli(["train", *SMALL, "--epochs", "1", "--warmup-epochs", "0", "--data-dir",
+                        str(tmp_path / "nowhere"), "--out", str(out)], capsys)
+    assert code == 2 and "nowhere" in err and "earlier run" not in err, err
+    assert files_with_digests(out) == before
+
+
+FINISHED = [*SMALL, "--train-subset", "64", "--epochs", "2", "--warmup-epochs", "1",
+            "--checkpoint-every-steps", "1"]  # 2 steps per epoch; checkpoints 2, 3, 4 are kept
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["train", *FINISHED, "--out", str(out)]) == 0
+    return out
+
+
+def _copy(run: Path, to: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(run, to))
+
+
+@needs_fashion
+def test_a_new_run_into_an_earlier_run_refuses_unless_overwrite(
+        finished: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _copy(finished, tmp_path / "run")
+    (run / "notes.txt").write_text("mine")
+    (run / "checkpoints" / "rejected").mkdir()
+    (run / "checkpoints" / "rejected" / "ckpt-000000009.pt").write_text("evidence")
+    before = files_with_digests(run)
+    program = ("config.toml, factorization.json, factorization.txt, metrics.csv, metrics.jsonl, "
+               "checkpoints/ckpt-000000002.json, checkpoints/ckpt-000000002.pt, "
+               "checkpoints/ckpt-000000003.json, checkpoints/ckpt-000000003.pt, "
+               "checkpoints/ckpt-000000004.json, checkpoints/ckpt-000000004.pt")
+    again = ["train", *FINISHED, "--out", str(run)]
+    code, out, err = cli(again, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--out {run} holds an earlier run ({program}); nothing was changed: continue it " \
+           f"with --resume {run}, or start anew there with --overwrite" in err
+    assert files_with_digests(run) == before
+
+    # A checkpoint that does not verify is evidence: --overwrite sets it aside, never deletes it.
+    with open(run / "checkpoints" / "ckpt-000000004.pt", "ab") as f:
+        f.write(b"damage")
+    damaged = files_with_digests(run)["checkpoints/ckpt-000000004.pt"]
+    removed = program.replace(", checkpoints/ckpt-000000004.json, checkpoints/ckpt-000000004.pt", "")
+    code, out, err = cli([*again, "--mode", "full", "--epochs", "1", "--overwrite"], capsys)
+    assert code == 0, err
+    assert f"--overwrite: removed the earlier run in {run}: {removed}; set aside in " \
+           "checkpoints/rejected/ (they do not verify): checkpoints/ckpt-000000004.pt; left " \
+           "alone: checkpoints/rejected/, notes.txt\n" in out
+    after = files_with_digests(run)
+    for name in ("notes.txt", "checkpoints/rejected/ckpt-000000009.pt"):
+        assert after[name] == before[name]
+    assert after["checkpoints/rejected/ckpt-000000004.pt"] == damaged
+    assert "checkpoints/rejected/ckpt-000000004.json" in after
+    assert not (run / "factorization.txt").exists()  # of the earlier run; this one is full-rank
+    assert [r["epoch"] for r in metrics(run)] == [1]
+    assert [p.name for p in ck.checkpoint_files(run)] == [
+        "ckpt-000000001.json", "ckpt-000000001.pt", "ckpt-000000002.json", "ckpt-000000002.pt"]
+
+
+@needs_fashion
+def test_a_fork_into_another_run_refuses_unless_overwrite(
+        finished: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source, target = _copy(finished, tmp_path / "a"), tmp_path / "b"
+    target.mkdir()
+    (target / "config.toml").write_text((source / "config.toml").read_text())
+    (target / "metrics.jsonl").write_text("{}\n")
+    before = files_with_digests(tmp_path)
+    fork = ["train", "--resume", str(source), "--out", str(target), "--epochs", "3"]
+    code, _, err = cli(fork, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--out {target} holds another run (config.toml, metrics.jsonl); nothing was " \
+           f"changed: fork --resume {source} into another --out, or add --overwrite" in err
+    assert files_with_digests(tmp_path) == before
+
+    code, out, err = cli([*fork, "--overwrite"], capsys)
+    assert code == 0, err
+    assert f"--overwrite: removed the earlier run in {target}: config.toml, metrics.jsonl\n" in out
+    assert f"resumed from {source / 'checkpoints' / 'ckpt-000000004.pt'} at epoch 2" in out
+    assert files_with_digests(source) == {k[2:]: v for k, v in before.items()
+                                          if k.startswith("a/")}
+    assert [r["epoch"] for r in metrics(target)] == [3]
+
+
+@needs_fashion
+def test_resume_past_a_corrupt_checkpoint_sets_it_aside_and_is_exact(
+        finished: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The newest checkpoint replaced by other data: the run resumes from the one before, moves the
+    bad one to checkpoints/rejected/ (bytes intact), and ends bitwise where the original ended."""
+    run = _copy(finished, tmp_path / "run")
+    newest = run / "checkpoints" / "ckpt-000000004.pt"
+    newest.write_bytes(b"other data" * 100)
+    code, out, err = cli(["train", "--resume", str(run)], capsys)
+    assert code == 0, err
+    assert f"pufferfish: warning: skipped checkpoint(s) that do not verify: {newest} is 1000 " \
+           "bytes, manifest says" in out
+    assert f"resuming from {run / 'checkpoints' / 'ckpt-000000003.pt'}; moved to " \
+           f"{run / 'checkpoints' / 'rejected'} (kept, never deleted): ckpt-000000004.pt, " \
+           "ckpt-000000004.json" in out
+    assert (run / "checkpoints" / "rejected" / "ckpt-000000004.pt").read_bytes() == \
+        b"other data" * 100
+    a, b = ck.load_checkpoint(finished / newest.relative_to(run)), ck.load_checkpoint(newest)
+    for key, t in a["model"].items():
+        assert torch.equal(t, b["model"][key]), key
+
+
+def test_ranks_take_rank_0s_decision(tmp_path: Path) -> None:
+    """Rank 0 is on its first attempt (an earlier run there: refuse), rank 1 believes it was
+    restarted (it would resume): both stop with rank 0's line, and nothing is changed."""
+    run, cfg = _run_dir(tmp_path)
+    save_checkpoint(run, {"config": cfg.to_dict(), "model": {}, "epoch": 0}, 2)
+    before = files_with_digests(run)
+    port = free_port()
+    args = ["--config", str(run / "config.toml"), "--timeout-s", "30"]
+    procs = [launch(0, 2, port, args),
+             launch(1, 2, port, args, env={"TORCHELASTIC_RESTART_COUNT": "1"})]
+    results = [finish(p) for p in procs]
+    for code, _, err in results:
+        assert code == 2, err[-2000:]
+        assert len(err.strip().splitlines()) == 1, err
+    assert results[0][2] == results[1][2]
+    assert f"--out {run} holds an earlier run (config.toml, checkpoints/ckpt-000000002.json, " \
+           "checkpoints/ckpt-000000002.pt)" in results[0][2]
+    assert files_with_digests(run) == before

@@ -14,7 +14,7 @@ on the same data, epochs and seed, one after the other:
   the pruned network's parameter count (bisection on exact counts).
 
 Each run is an ordinary run directory under ``OUT`` (``pufferfish report`` reads it) and is
-resumed, not redone, when ``compare`` is run again. Then every final model is rebuilt from its last
+resumed, not redone, when ``compare`` is run again (``--overwrite``: redone). Then every final model is rebuilt from its last
 checkpoint and timed on this machine's CPU (eval mode, batch 1 and 128, median of repeats), and
 ``OUT/compare.md`` (a table), ``OUT/compare.json`` and ``OUT/tradeoff.png`` are written, next to
 ``report.md``/``accuracy.png`` (the per-epoch curves of :func:`~pufferfish.training.report.compare_runs`).
@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, TrainConfig, dump_toml
+from ..training import checkpoint as ckpt
 from ..training.metrics import read_metrics
 
 __all__ = ["METHODS", "compare", "measure_latency", "pufferfish_params", "ratio_for_params"]
@@ -120,7 +121,6 @@ def load_final_model(cfg: TrainConfig, run_dir: Path) -> tuple[nn.Module, torch.
     Lottery-ticket masks are folded into plain dense weights (``prune.remove``): what a dense
     deployment would run.
     """
-    from ..training import checkpoint as ckpt
     from ..training.methods import build_method
 
     model, example = build_model(cfg)
@@ -176,8 +176,13 @@ def compare(base: TrainConfig, out: str | Path, methods: tuple[str, ...] = METHO
     runs: list[tuple[str, TrainConfig]] = []
 
     def config(name: str, **changes: Any) -> TrainConfig:
-        run_dir = str(out_dir / name)
-        cfg = dataclasses.replace(base, out=run_dir, resume=run_dir, **changes)
+        # Continue the run of an earlier compare where it has checkpoints; else (or with
+        # --overwrite) start it, replacing what an attempt that died before its first
+        # checkpoint left there (the run's own files only).
+        run_dir = out_dir / name
+        again = not base.overwrite and bool(ckpt.checkpoint_files(run_dir))
+        cfg = dataclasses.replace(base, out=str(run_dir), resume=str(run_dir) if again else "",
+                                  overwrite=not again, **changes)
         runs.append((name, cfg))
         return cfg
 

@@ -38,7 +38,6 @@ import contextlib
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -614,7 +613,7 @@ def _train_argv(cfg: BenchConfig, method: str, run_dir: Path) -> list[str]:
         "--powersgd-start-iter", str(cfg.powersgd_start_iter),
         "--topk-ratio", str(cfg.topk_ratio), "--signum-beta", str(cfg.signum_beta),
         "--threads", str(cfg.worker_threads()), "--checkpoint-every-epochs", str(cfg.epochs),
-        "--no-progress", "--out", str(run_dir),
+        "--no-progress", "--out", str(run_dir), "--overwrite",  # a previous bench's run
     ]  # fmt: skip
     if factorized:
         argv += ["--warmup-epochs", str(cfg.warmup_epochs)]
@@ -677,11 +676,11 @@ def run_train(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
 def _train_run(
     cfg: BenchConfig, link: EmulatedLink | None, method: str, run_dir: Path, log: Log
 ) -> str | None:
-    """Train ``method`` into ``run_dir`` (replacing an old run there); why it failed, or None."""
+    """Train ``method`` into ``run_dir`` (replacing an old run there: ``--overwrite``); why it
+    failed, or None."""
     from ..training.metrics import read_metrics
 
     timeout = cfg.timeout or NO_TIMEOUT
-    shutil.rmtree(run_dir, ignore_errors=True)  # our own output from a previous bench
     argv = _train_argv(cfg, method, run_dir)
     log(f"training {method}: {' '.join(argv[1:])}")
     try:

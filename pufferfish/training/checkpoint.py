@@ -66,20 +66,27 @@ from typing import IO, Any
 import torch
 from torch import nn
 
+from . import faults
+
 __all__ = [
     "CheckpointError",
     "CheckpointWarning",
     "UnsafeCheckpointError",
     "capture_rng_state",
+    "checkpoint_files",
     "checkpoint_step",
+    "find_latest",
     "latest_checkpoint",
     "load_checkpoint",
+    "rejection",
     "restore_rng_state",
     "save_checkpoint",
+    "set_aside",
     "verify_compatible",
 ]
 
 CHECKPOINT_SUBDIR = "checkpoints"
+REJECTED_SUBDIR = "rejected"  # under CHECKPOINT_SUBDIR: checkpoints set aside, never deleted
 MANIFEST_FORMAT = "pufferfish-checkpoint"
 MANIFEST_VERSION = 1
 
@@ -348,6 +355,7 @@ def save_checkpoint(
         w = _HashingWriter(f)
         torch.save(state, w)  # type: ignore[arg-type]
         hashed["sha256"], hashed["size"] = w.sha256.hexdigest(), w.size
+        faults.strike("save-payload", step)
 
     def write_manifest(f: IO[bytes]) -> None:
         manifest = {
@@ -365,6 +373,7 @@ def save_checkpoint(
     current = pt_path
     try:
         _atomic_write(pt_path, write_payload)
+        faults.strike("save-manifest", step)
         current = manifest_path
         _atomic_write(manifest_path, write_manifest)
     except Exception as exc:
@@ -475,6 +484,20 @@ def _verify_manifest(pt_path: Path) -> None:
         raise CheckpointError(f"{pt_path} fails its SHA-256 check (corrupted)")
 
 
+def rejection(pt_path: str | os.PathLike[str]) -> str | None:
+    """Why the checkpoint ``pt_path`` does not verify (size, SHA-256, manifest), or None if it does.
+
+    A checksum check only, without unpickling: enough to tell a checkpoint the program wrote and
+    vouched for from a crash artifact or a damaged file, which callers set aside instead of
+    deleting.
+    """
+    try:
+        _verify_manifest(Path(pt_path))
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
 def load_checkpoint(
     path: str | os.PathLike[str], *, map_location: Any = "cpu"
 ) -> dict[str, Any]:
@@ -521,6 +544,27 @@ def _candidates(ckpt_dir: Path) -> Iterator[Path]:
         yield ckpt_dir / _pt_name(s)
 
 
+def find_latest(
+    run_dir: str | os.PathLike[str], *, map_location: Any = "cpu"
+) -> tuple[tuple[dict[str, Any], Path] | None, list[tuple[Path, str]]]:
+    """The newest complete, verified checkpoint (or None), and the newer ones rejected on the way.
+
+    Each rejected checkpoint comes with why (truncated, no manifest, checksum mismatch,
+    unreadable archive), in one line that names the file. Nothing is removed or moved: what to do
+    with a rejected file is the caller's decision. A file that passes its checksum but is refused
+    as not plain-weights raises :class:`UnsafeCheckpointError` (tampering or a bug, not a crash).
+    """
+    rejected: list[tuple[Path, str]] = []
+    for pt_path in _candidates(_ckpt_dir(run_dir)):
+        try:
+            return (load_checkpoint(pt_path, map_location=map_location), pt_path), rejected
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as exc:
+            rejected.append((pt_path, str(exc)))
+    return None, rejected
+
+
 def latest_checkpoint(
     run_dir: str | os.PathLike[str], *, map_location: Any = "cpu"
 ) -> tuple[dict[str, Any], Path] | None:
@@ -535,31 +579,65 @@ def latest_checkpoint(
     :class:`UnsafeCheckpointError` instead: that is tampering or a bug, not a crash,
     and silently resuming from an older checkpoint would hide it.
     """
-    ckpt_dir = _ckpt_dir(run_dir)
-    skipped: list[str] = []
-    for pt_path in _candidates(ckpt_dir):
-        try:
-            state = load_checkpoint(pt_path, map_location=map_location)
-        except UnsafeCheckpointError:
-            raise
-        except CheckpointError as exc:
-            skipped.append(f"{pt_path} ({exc})")
-            continue
-        if skipped:
-            warnings.warn(
-                f"skipped incomplete/corrupt checkpoint(s) {'; '.join(skipped)}; "
-                f"resuming from {pt_path} instead",
-                CheckpointWarning,
-                stacklevel=2,
-            )
-        return state, pt_path
-    if skipped:
+    found, rejected = find_latest(run_dir, map_location=map_location)
+    skipped = "; ".join(f"{path} ({why})" for path, why in rejected)
+    if rejected and found is not None:
         warnings.warn(
-            f"no usable checkpoint in {ckpt_dir}: skipped {'; '.join(skipped)}",
+            f"skipped incomplete/corrupt checkpoint(s) {skipped}; resuming from {found[1]} instead",
             CheckpointWarning,
             stacklevel=2,
         )
-    return None
+    elif rejected:
+        warnings.warn(
+            f"no usable checkpoint in {_ckpt_dir(run_dir)}: skipped {skipped}",
+            CheckpointWarning,
+            stacklevel=2,
+        )
+    return found
+
+
+def checkpoint_files(run_dir: str | os.PathLike[str], *, temps: bool = False) -> list[Path]:
+    """The checkpoint files (payloads and manifests) in ``run_dir``, verified or not, by step.
+
+    With ``temps``, also the hidden temp files of interrupted writes. Never anything under
+    ``checkpoints/rejected/`` nor files of other names.
+    """
+    ckpt_dir = _ckpt_dir(run_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(p for p in ckpt_dir.iterdir()
+                  if _PT_RE.match(p.name) or _JSON_RE.match(p.name)
+                  or (temps and _TMP_RE.match(p.name)))
+
+
+def set_aside(pt_path: str | os.PathLike[str]) -> list[Path]:
+    """Move a rejected checkpoint (payload and manifest, those that exist) into ``rejected/``.
+
+    A run resuming from an older checkpoint will write the same step again; moving the rejected
+    files first keeps them (for inspection: a bad copy, tampering, a crash) instead of replacing
+    them. An earlier file of the same name there is not replaced either: the newcomer gets a
+    numbered name. Returns the new paths.
+    """
+    pt_path = Path(pt_path)
+    rejected = pt_path.parent / REJECTED_SUBDIR
+    rejected.mkdir(exist_ok=True)
+    sources = [p for p in (pt_path, _manifest_path(pt_path)) if p.exists()]
+    n = 0
+    while any((rejected / _numbered(p.name, n)).exists() for p in sources):
+        n += 1
+    moved = []
+    for p in sources:
+        target = rejected / _numbered(p.name, n)
+        os.rename(p, target)
+        moved.append(target)
+    _fsync_dir(rejected)
+    _fsync_dir(pt_path.parent)
+    return moved
+
+
+def _numbered(name: str, n: int) -> str:
+    stem, dot, suffix = name.partition(".")
+    return name if n == 0 else f"{stem}.{n}{dot}{suffix}"
 
 
 # --------------------------------------------------------------- compatibility

@@ -44,7 +44,7 @@ from ..distributed.env import DistEnv
 from ..lowrank import count_macs
 from ..lowrank.base import LowRankModule
 from . import checkpoint as ckpt
-from . import startup
+from . import faults, startup
 from .method import Change, Method
 from .methods import build_method
 from .metrics import MetricsWriter
@@ -117,12 +117,14 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     # First collective of the run, before anything whose collectives depend on the configuration
     # (the download barrier, DDP): mismatched configurations fail here, by name, on every rank.
     startup.check_config_agrees(cfg, env)
+    # Before anything is written or loaded: rank 0 decides what happens to the run directory
+    # (resume, start, or refuse) and every rank learns it.
+    resumed = startup.find_resume_point(cfg, env, run_dir)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     task = build_task(cfg, env)
     model = task.model.to(env.device)
     method.setup(model, task.example_input(env.device), cfg)
     writer = MetricsWriter(run_dir, enabled=env.is_main)
-    resumed = startup.find_resume_point(cfg, env, run_dir)
     startup.check_agree(env, "the data or the checkpoint to resume", {
         **startup.data_fingerprint(task),
         "resume_from": None if resumed is None else resumed[1].name}, DataError)
@@ -159,9 +161,11 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         dist_env.say(env, f"resumed from {path} at epoch {state.epoch}, step {state.step_in_epoch}")
     if env.is_main:
         # The effective configuration, also on resume (flags may have changed, e.g. --epochs), so
-        # that a later --resume continues this run as it is now; without the resume request.
+        # that a later --resume continues this run as it is now; without the resume request, and
+        # without --overwrite (a later fork from this run must not inherit it).
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_text(run_dir / "config.toml", dump_toml(dataclasses.replace(cfg, resume="")))
+        _write_text(run_dir / "config.toml",
+                    dump_toml(dataclasses.replace(cfg, resume="", overwrite=False)))
     dist_env.say(env, "configuration:\n" + _indent(dump_toml(cfg)))
     dist_env.say(env, f"{cfg.model} on {cfg.data}, mode {cfg.mode}: {env.world_size} process(es), "
               f"backend {env.backend or 'none'}, device {env.device}, comm {cfg.comm}")
@@ -275,7 +279,7 @@ def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, ru
             continue
         t1 = time.perf_counter()
         data_wait += t1 - t0
-        _inject_fault(state.global_step, env)
+        faults.strike("step", state.global_step, env.rank)  # tests and benchmarks/faults.sh
         torch.manual_seed(_step_seed(cfg.seed, state.epoch, i, env.rank))
         lr = lr_at(cfg, method.schedule_step(state.global_step, steps), steps)
         for group in state.optimizer.param_groups:
@@ -359,25 +363,6 @@ def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, ru
     row["compress_time"] = stats.get("compress_time", 0.0)
     row["comm_time"] = stats.get("comm_time", 0.0)
     return row
-
-
-def _inject_fault(global_step: int, env: DistEnv) -> None:
-    """Fault injection for tests: SIGKILL this rank once, before global step N.
-
-    ``PUFFERFISH_KILL_AT_STEP=N`` (and optionally ``PUFFERFISH_KILL_RANK``, default 0) arm it;
-    ``PUFFERFISH_KILL_MARKER`` names a file created just before the kill, so that a restarted
-    worker is not killed again at the same step. ``PUFFERFISH_KILL_SIGNAL=STOP`` freezes the
-    process instead (SIGSTOP): a peer that hangs without closing its sockets, the case only the
-    process-group timeout can catch.
-    """
-    at = os.environ.get("PUFFERFISH_KILL_AT_STEP")
-    if at is None or int(at) != global_step or env.rank != int(os.environ.get("PUFFERFISH_KILL_RANK", 0)):
-        return
-    marker = Path(os.environ.get("PUFFERFISH_KILL_MARKER", "pufferfish-killed.marker"))
-    if marker.exists():
-        return
-    marker.write_text(str(global_step))
-    os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("PUFFERFISH_KILL_SIGNAL", "KILL")))
 
 
 def _autocast(cfg: TrainConfig, env: DistEnv) -> contextlib.AbstractContextManager:

@@ -12,8 +12,8 @@ import json
 import os
 import re
 import sys
-import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,8 @@ PER_RANK_FIELDS = ("data_dir", "threads", "progress")
 # Fields that do not change what is computed, so an automatic resume (torchelastic restart or
 # ``--resume auto``) may find them changed; any other difference means the run directory holds a
 # different run, which is refused rather than silently continued.
-RUN_LOCAL_FIELDS = (*PER_RANK_FIELDS, "resume", "download", "timeout_s", "keep_checkpoints")
+RUN_LOCAL_FIELDS = (*PER_RANK_FIELDS, "resume", "overwrite", "download", "timeout_s",
+                    "keep_checkpoints")
 
 
 # -- agreement across ranks ------------------------------------------------------
@@ -126,30 +127,110 @@ def _restart_count() -> int:
 
 def find_resume_point(cfg: TrainConfig, env: DistEnv,
                        run_dir: Path) -> tuple[dict[str, Any], Path] | None:
-    """The checkpoint to continue from, or None for a fresh start.
+    """The checkpoint to continue from, or None for a fresh start. Rank 0 decides, all learn it.
 
-    * ``--resume DIR``: the newest complete checkpoint of DIR; flags may change what does not
+    * ``--resume DIR``: the newest checkpoint of DIR that verifies; flags may change what does not
       change the run (see :func:`_check_resumable`). With ``--out`` elsewhere the run continues
-      there (a fork); checkpoints already there are removed first.
-    * ``--resume auto``, or a torchelastic restart (``TORCHELASTIC_RESTART_COUNT`` > 0) without
-      ``--resume``: the newest complete checkpoint of ``--out`` if there is one, and it must be
-      of this very configuration (:data:`RUN_LOCAL_FIELDS` aside); otherwise a fresh start.
-    * Otherwise a fresh start, which removes the checkpoints of an earlier run in ``--out``: a
-      later resume must never pick up a checkpoint of another run (the metrics and config of
-      that run are replaced as well).
+      there (a fork).
+    * ``--resume auto``, or a torchelastic restart (``TORCHELASTIC_RESTART_COUNT`` > 0): the newest
+      checkpoint of ``--out`` that verifies, which must be of this very configuration
+      (:data:`RUN_LOCAL_FIELDS` aside); a fresh start if ``--out`` holds no checkpoint at all.
+    * Otherwise a fresh start.
+
+    Nothing the user made is deleted unasked: if no checkpoint verifies, the run refuses, naming
+    each file and why; newer checkpoints skipped for an older one are moved to
+    ``checkpoints/rejected/`` (the resumed run will write those steps again), never deleted. A
+    fresh start or a fork into a directory that holds an earlier run refuses unless
+    ``--overwrite`` is given, which removes that run's files (:func:`run_files`) and says which.
+    Rank 0 checks everything before it changes anything, and broadcasts the outcome (or the
+    error): every rank resumes the same checkpoint or stops with the same message.
     """
-    explicit = bool(cfg.resume) and cfg.resume != "auto"
-    auto = cfg.resume == "auto" or (not cfg.resume and _restart_count() > 0)
-    source = Path(cfg.resume) if explicit else run_dir
-    found = _latest_checkpoint(source, env) if explicit or auto else None
-    if found is None and (explicit or auto):
-        dist_env.say(env, f"no complete checkpoint in {source}: starting from the beginning")
-    if env.is_main and (found is None or source.resolve() != run_dir.resolve()):
-        _remove_checkpoints(run_dir)
-    if found is None:
+    outcome: Any = None
+    found = None
+    if env.is_main:
+        try:
+            found = _decide(cfg, env, run_dir)
+            outcome = None if found is None else str(found[1])
+        except (ConfigError, ckpt.CheckpointError, OSError) as e:
+            outcome = e
+    outcome = dist_env.broadcast_object(outcome, env)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    if outcome is None:
         return None
-    saved, path = found
+    if found is None:  # another rank: load what rank 0 chose
+        found = ckpt.load_checkpoint(outcome), Path(outcome)
+    return found
+
+
+@dataclass
+class _Look:
+    """A directory to look for a checkpoint in, and on whose behalf."""
+
+    directory: Path
+    how: str  # what asked for it, for messages: "--resume auto", "--resume DIR", a restart
+    lenient: bool = False  # the checkpoint's flags may differ where they do not define the run
+    required: bool = False  # no checkpoint at all is an error, not a fresh start
+
+
+def _decide(cfg: TrainConfig, env: DistEnv, run_dir: Path) -> tuple[dict[str, Any], Path] | None:
+    """Rank 0's decision (:func:`find_resume_point`): every check first, then the changes."""
+    restart = _restart_count()
+    explicit = bool(cfg.resume) and cfg.resume != "auto"
+    source = Path(cfg.resume) if explicit else run_dir
+    fork = explicit and source.resolve() != run_dir.resolve()
+    if explicit and not fork and cfg.overwrite:
+        raise ConfigError(f"overwrite true is invalid with --resume {source} continuing that "
+                          "directory itself: allowed with --out elsewhere (a fork) or without "
+                          "--resume")
+    # Where to look for a checkpoint, in order. On a restart an earlier attempt of this very
+    # command may have written to --out; a fork restarted before its first checkpoint there forks
+    # again from its source.
+    looks: list[_Look] = []
+    if restart and (fork or not explicit):
+        looks.append(_Look(run_dir, f"automatic resume (torchelastic restart {restart})",
+                           lenient=explicit))
     if explicit:
+        looks.append(_Look(source, f"--resume {source}", lenient=True, required=True))
+    elif cfg.resume == "auto":
+        looks.append(_Look(run_dir, "--resume auto"))
+    found, rejected, look = None, [], None
+    for look in looks:
+        found, rejected = ckpt.find_latest(look.directory)
+        if found is not None or rejected:
+            break
+        if look.required:
+            raise ckpt.CheckpointError(
+                f"{look.how}: no checkpoint in {look.directory / ckpt.CHECKPOINT_SUBDIR} to "
+                "continue from; to start the run anew there use --overwrite without --resume")
+    if look is not None and found is None and rejected:
+        raise ckpt.CheckpointError(
+            f"{look.how}: no checkpoint in {look.directory} verifies, so nothing was resumed and "
+            f"nothing removed: {'; '.join(why for _, why in rejected)}; to start anew, move "
+            "them away (or use --overwrite without --resume, which deletes them)")
+    if look is not None and found is not None:
+        _check_same_run(found, cfg, look, run_dir, env.world_size)
+    in_place = look is not None and found is not None \
+        and look.directory.resolve() == run_dir.resolve()
+    removable = [] if in_place else _claim(cfg, run_dir, looks[0].how if looks else "",
+                                           own=bool(restart) or cfg.resume == "auto")
+    # Every check passed: now change the directory.
+    if removable:
+        _remove(run_dir, removable)
+    if rejected:
+        _skipped(env, rejected, found[1], set_aside=in_place)  # type: ignore[index]
+    if found is None:
+        if looks:
+            dist_env.say(env, f"no checkpoint in {run_dir}: starting from the beginning")
+        return None
+    return found
+
+
+def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: _Look,
+                    run_dir: Path, world_size: int) -> None:
+    """The checkpoint must be of this run: all fields (automatic resume) or those defining it."""
+    saved, path = found
+    if look.lenient:
         _check_resumable(saved, cfg)
     else:
         # Keys the checkpoint does not know (written before a field was added) are not compared.
@@ -160,44 +241,121 @@ def find_resume_point(cfg: TrainConfig, env: DistEnv,
                                    what="configuration")
         except ckpt.CheckpointError as e:
             raise ckpt.CheckpointError(
-                f"{e} (automatic resume from {run_dir}: to continue that run with changed flags "
+                f"{e} ({look.how} from {run_dir}: to continue that run with changed flags "
                 f"use --resume {run_dir}, to start a new one use another --out)") from None
     hook_states = saved.get("hook_states") or []
-    if any(hook_states) and len(hook_states) != env.world_size:
+    if any(hook_states) and len(hook_states) != world_size:
         raise ckpt.CheckpointError(
             f"{path} was written by {len(hook_states)} processes, this run has "
-            f"{env.world_size}: the per-rank memory of comm hook {cfg.comm!r} cannot be "
+            f"{world_size}: the per-rank memory of comm hook {cfg.comm!r} cannot be "
             "redistributed; resume with the same number of processes")
-    return found
 
 
-def _latest_checkpoint(run_dir: Path, env: DistEnv) -> tuple[dict[str, Any], Path] | None:
-    """:func:`ckpt.latest_checkpoint`, its skip warnings as one line each on rank 0."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ckpt.CheckpointWarning)
-        found = ckpt.latest_checkpoint(run_dir)
-    for w in caught:
-        if issubclass(w.category, ckpt.CheckpointWarning):
-            if env.is_main:
-                print(f"pufferfish: warning: {w.message}", flush=True)
-        else:
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    return found
+# -- the run directory ---------------------------------------------------------------------------
+
+# The files a run writes into its directory besides its checkpoints (loop.py, metrics.py, and the
+# methods' change records: factorization, prune-round-N, channel-pruning). They make a directory
+# "an earlier run", and they and the checkpoint files are all that --overwrite removes.
+_RUN_FILE = r"(config\.toml|metrics\.(jsonl|csv)|(factorization|channel-pruning|prune-round-\d+)\.(txt|json))"
+_RUN_FILE_RE = re.compile(rf"^{_RUN_FILE}$")
+# Their temp files, left by a kill during a write (metrics.py's, checkpoint._atomic_write's).
+_RUN_TEMP_RE = re.compile(rf"^({_RUN_FILE}\.tmp|\.{_RUN_FILE}\.[A-Za-z0-9_-]+\.\d+\.[0-9a-f]+\.tmp)$")
 
 
-def _remove_checkpoints(run_dir: Path) -> None:
-    directory = run_dir / ckpt.CHECKPOINT_SUBDIR
-    if not directory.is_dir():
-        return
-    names = re.compile(r"^(ckpt-\d{9,}\.(pt|json)|\.ckpt-\d{9,}\.(pt|json)\..*\.tmp)$")
-    removed = 0
-    for entry in directory.iterdir():
-        if names.match(entry.name):
-            entry.unlink(missing_ok=True)
-            removed += entry.suffix == ".pt"
-    if removed:
-        print(f"starting a new run in {run_dir}: removed {removed} checkpoint(s) of an earlier "
-              "run there", flush=True)
+def run_files(run_dir: Path, *, temps: bool = False) -> list[Path]:
+    """The files ``pufferfish train`` wrote in ``run_dir``: checkpoints, metrics, config, records.
+
+    With ``temps``, also the temp files of interrupted writes. Never other files, nor the
+    checkpoints set aside in ``checkpoints/rejected/``.
+    """
+    if not run_dir.is_dir():
+        return []
+    own = sorted(p for p in run_dir.iterdir() if p.is_file() and (
+        _RUN_FILE_RE.match(p.name) or (temps and _RUN_TEMP_RE.match(p.name))))
+    return own + ckpt.checkpoint_files(run_dir, temps=temps)
+
+
+def _claim(cfg: TrainConfig, run_dir: Path, how: str, own: bool) -> list[Path]:
+    """May this run write into ``run_dir``? The files to remove first, or a refusal.
+
+    ``own``: on an automatic resume (restart, ``--resume auto``) with no checkpoint, files of this
+    very configuration are an earlier attempt of this run, and simply replaced as it runs again.
+    """
+    found = run_files(run_dir)
+    if not found:
+        return []
+    names = _names(found, run_dir)
+    if own:
+        if _same_configuration(cfg, run_dir):
+            return []
+        raise ConfigError(
+            f"{how}: {run_dir} holds no checkpoint but files of another run ({names}); nothing "
+            "was changed: start this run in another --out, or anew without --resume and with "
+            "--overwrite (which removes those files)")
+    if cfg.overwrite:
+        return run_files(run_dir, temps=True)
+    if cfg.resume:
+        raise ConfigError(
+            f"--out {run_dir} holds another run ({names}); nothing was changed: fork --resume "
+            f"{cfg.resume} into another --out, or add --overwrite (removes those files only)")
+    raise ConfigError(
+        f"--out {run_dir} holds an earlier run ({names}); nothing was changed: continue it with "
+        f"--resume {run_dir}, or start anew there with --overwrite (removes those files only)")
+
+
+def _same_configuration(cfg: TrainConfig, run_dir: Path) -> bool:
+    """Whether ``run_dir/config.toml`` is ``cfg`` up to :data:`RUN_LOCAL_FIELDS`."""
+    from ..config import load_config
+
+    try:
+        saved = load_config(run_dir / "config.toml").to_dict()
+    except ConfigError:
+        return False
+    current = cfg.to_dict()
+    return all(saved[k] == current[k] for k in current if k not in RUN_LOCAL_FIELDS)
+
+
+def _remove(run_dir: Path, files: list[Path]) -> None:
+    """--overwrite: remove the earlier run's files (checkpoints first, config.toml last)."""
+    ordered = sorted(files, key=lambda p: (p.parent == run_dir, p.name == "config.toml"))
+    # A checkpoint that does not verify is evidence (a bad copy, tampering, a crash): it is moved
+    # to checkpoints/rejected/ like on resume, never deleted, even under --overwrite.
+    aside = [p for p in ordered if p.suffix == ".pt" and p.parent != run_dir and p.exists()
+             and ckpt.rejection(p) is not None]
+    for path in aside:
+        ckpt.set_aside(path)
+    for path in ordered:
+        path.unlink(missing_ok=True)
+    others = sorted(p for p in [*run_dir.iterdir(), *_entries(run_dir / ckpt.CHECKPOINT_SUBDIR)]
+                    if p.name != ckpt.CHECKPOINT_SUBDIR or p.parent != run_dir)
+    kept = f"; left alone: {_names(others, run_dir)}" if others else ""
+    gone = [p for p in files if p not in aside and not (p.suffix == ".json" and any(
+        a.with_suffix(".json") == p for a in aside))]
+    moved = (f"; set aside in {ckpt.CHECKPOINT_SUBDIR}/{ckpt.REJECTED_SUBDIR}/ (they do not "
+             f"verify): {_names(aside, run_dir)}") if aside else ""
+    print(f"--overwrite: removed the earlier run in {run_dir}: {_names(gone, run_dir)}{moved}"
+          f"{kept}", flush=True)
+
+
+def _entries(directory: Path) -> list[Path]:
+    return list(directory.iterdir()) if directory.is_dir() else []
+
+
+def _skipped(env: DistEnv, rejected: list[tuple[Path, str]], used: Path, set_aside: bool) -> None:
+    """Newer checkpoints that do not verify: moved to ``rejected/`` (in place) or left (a fork)."""
+    reasons = "; ".join(why for _, why in rejected)
+    if set_aside:
+        moved = [p for path, _ in rejected for p in ckpt.set_aside(path)]
+        where = (f"moved to {used.parent / ckpt.REJECTED_SUBDIR} (kept, never deleted): "
+                 f"{', '.join(p.name for p in moved)}")
+    else:
+        where = "they stay where they are"
+    dist_env.say(env, f"pufferfish: warning: skipped checkpoint(s) that do not verify: {reasons}; "
+                      f"resuming from {used}; {where}")
+
+
+def _names(paths: list[Path], run_dir: Path) -> str:
+    return ", ".join(str(p.relative_to(run_dir)) + ("/" if p.is_dir() else "") for p in paths)
 
 
 def _check_resumable(saved: dict[str, Any], cfg: TrainConfig) -> None:
