@@ -7,6 +7,7 @@ and a flat copy of the parameters, gathered across ranks.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -63,44 +64,51 @@ def main(out: str) -> None:
     torch.manual_seed(rank)  # different initial weights on each rank: DDP must make them agree
     model = tiny_gpt2()
     callback = PufferfishCallback(warmup_epochs=1, rank_ratio=0.25, verbose=rank == 0)
+    probe = make_probe()
     trainer = Trainer(model=model, args=training_arguments(os.path.join(out, "hf")),
-                      train_dataset=Tokens(), callbacks=[callback])
-    optimizer = None
-
-    class Spy(PufferfishCallback.__mro__[1]):  # TrainerCallback: what the Trainer holds
-        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-            nonlocal optimizer_at_start
-            optimizer_at_start = optimizer
-
-    optimizer_at_start = None
-    trainer.add_callback(Spy())
+                      train_dataset=Tokens(), callbacks=[callback, probe])
     trainer.train()
-    optimizer = trainer.optimizer
-    wrapper = trainer.model_wrapped
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    gathered = [torch.empty_like(flat) for _ in range(world)]
-    if world > 1:
+    gathered = [flat]
+    if dist.is_initialized():
+        gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, flat)
-    else:
-        gathered = [flat]
+    wrapper = trainer.model_wrapped
     result = {
         "rank": rank,
-        "world": world,
+        "world": len(gathered),
         "switched_at": callback.recipe.switched_at,
         "switched_at_step": callback.switcher.switched_at_step,
         "params_after": callback.report.params_after if callback.report else None,
         "lowrank_modules": sum(isinstance(m, LowRankModule) for m in model.modules()),
         "wrapper": type(wrapper).__name__,
-        "same_wrapper": callback._wrapper is not None and callback._wrapper() is wrapper,
+        "same_wrapper": wrapper is probe.wrapper_at_start,
+        "same_optimizer": trainer.optimizer is probe.optimizer_at_start,
         "reducer_sees_factors": _reducer_covers(wrapper, model),
-        "same_optimizer": optimizer is optimizer_at_start,
         "replica_gap": max((g - gathered[0]).abs().max().item() for g in gathered),
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-        "lrs": [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h],
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def make_probe() -> Any:
+    """A callback that keeps what the Trainer hands callbacks at the start of training."""
+    from transformers import TrainerCallback
+
+    class Probe(TrainerCallback):
+        optimizer_at_start: Any = None
+        wrapper_at_start: Any = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None,
+                           model: Any = None, **kwargs: Any) -> None:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.optimizer_at_start = optimizer
+            self.wrapper_at_start = next((o for o in gc.get_objects() if isinstance(
+                o, DistributedDataParallel) and o.module is model), model)
+
+    return Probe()
 
 
 def _reducer_covers(wrapper: Any, model: Any) -> bool | None:
