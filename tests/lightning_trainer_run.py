@@ -57,6 +57,18 @@ def data(seed: int = 0) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
 
 
+HOOK_STATE: dict[str, Any] = {"switched": False, "before_switch": 0, "after_switch": 0}
+
+
+def counting_allreduce(state, bucket):  # unannotated: DDP checks real annotations, not strings
+    """The user's DDP comm hook: an averaging all-reduce that counts its calls."""
+    import torch.distributed as dist
+
+    state["after_switch" if state["switched"] else "before_switch"] += 1
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
 def trainer(callbacks: list[Any], world: int, **overrides: Any) -> Any:
     import lightning.pytorch as pl
 
@@ -97,6 +109,7 @@ def main(out: str) -> None:
         "params_after": callback.report.params_after if callback.report else None,
         "lowrank_modules": sum(isinstance(m, LowRankModule) for m in module.modules()),
         **probe.seen,
+        "hook_calls": {k: v for k, v in HOOK_STATE.items() if k != "switched"},
         "replica_gap": max((g - gathered[0]).abs().max().item() for g in gathered),
         "losses": module.losses,
         "lrs": module.lrs,
@@ -108,6 +121,7 @@ def main(out: str) -> None:
 def make_probe() -> Any:
     """A callback that looks at the strategy's model wrapper before and after training."""
     import lightning.pytorch as pl
+    from torch.nn.parallel import DistributedDataParallel
 
     class Probe(pl.Callback):
         def __init__(self) -> None:
@@ -116,6 +130,12 @@ def make_probe() -> Any:
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.wrapper, self.optimizer = trainer.strategy.model, trainer.optimizers[0]
+            if isinstance(self.wrapper, DistributedDataParallel):
+                # the user's comm hook (Lightning's ddp_comm_hook= registers on CUDA only)
+                self.wrapper.register_comm_hook(HOOK_STATE, counting_allreduce)
+
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            HOOK_STATE["switched"] = trainer.current_epoch >= 1  # runs after the switch's hook
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             wrapper = trainer.strategy.model  # Lightning unwraps it at teardown, after this

@@ -24,12 +24,10 @@ pytest.importorskip("accelerate")  # the Trainer's own dependency
 transformers = pytest.importorskip("transformers")
 
 from hf_trainer_run import Tokens, make_probe, tiny_gpt2, training_arguments  # noqa: E402
-from test_training import free_port  # noqa: E402
+from torchrun_script import ROOT, run_torchrun  # noqa: E402
 
 from pufferfish.integrations.hf import PufferfishCallback  # noqa: E402
 from pufferfish.lowrank import LowRankModule  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class Sentences(Dataset):
@@ -160,17 +158,6 @@ def test_resume_after_the_switch_fails_loudly_without_the_structure(tmp_path: Pa
 # ---------------------------------------------------------------------------------------------
 # Two processes
 # ---------------------------------------------------------------------------------------------
-
-def run_torchrun(script: str, out: Path, timeout: float = 300) -> list[dict[str, Any]]:
-    """``torchrun --nproc-per-node 2 tests/<script> out``; each rank's JSON result."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), str(ROOT / "tests" / script), str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-
 
 def test_two_processes_switch_together_and_stay_identical(tmp_path: Path) -> None:
     ranks = run_torchrun("hf_trainer_run.py", tmp_path)
