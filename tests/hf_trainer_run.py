@@ -2,7 +2,8 @@
 
 ``python tests/hf_trainer_run.py OUT_DIR`` trains a tiny GPT-2 (built from a config) on synthetic
 tokens for 3 epochs, switching after 1, and writes ``OUT_DIR/rank{R}.json``: what the switch did
-and a flat copy of the parameters, gathered across ranks.
+and a flat copy of the parameters, gathered across ranks; then the same in a plain Accelerate
+loop (the README's recipe for Accelerate users).
 """
 
 from __future__ import annotations
@@ -87,9 +88,52 @@ def main(out: str) -> None:
         "reducer_sees_factors": _reducer_covers(wrapper, model),
         "replica_gap": max((g - gathered[0]).abs().max().item() for g in gathered),
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "accelerate": accelerate_loop(rank),
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def accelerate_loop(rank: int) -> dict[str, Any]:
+    """The README's recipe for a plain Accelerate loop: Recipe.switch on the unwrapped model and
+    the prepared optimizer, then the prepared DDP wrapper rebuilt in place."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+    from transformers import get_linear_schedule_with_warmup
+
+    import pufferfish as pf
+    from pufferfish.distributed.env import rebuild_ddp_in_place
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(rank)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 2, 12)
+    loader = DataLoader(Tokens(), batch_size=4)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    wrapper, recipe = model, pf.Recipe(warmup_epochs=1)
+    for epoch in range(3):
+        inner = accelerator.unwrap_model(model)
+        if recipe.should_switch(epoch, inner):
+            recipe.switch(epoch, inner, optimizer)  # the prepared optimizer, edited in place
+            if isinstance(model, DistributedDataParallel):
+                rebuild_ddp_in_place(model)  # the object accelerate holds stays the wrapper
+        for batch in loader:
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    flat = torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(model).parameters()])
+    gathered = [flat]
+    if dist.is_initialized():
+        gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, flat)
+    return {"wrapper": type(model).__name__, "same_wrapper": model is wrapper,
+            "params_after": recipe.report.params_after if recipe.report else None,
+            "replica_gap": max((g - gathered[0]).abs().max().item() for g in gathered)}
 
 
 def make_probe() -> Any:

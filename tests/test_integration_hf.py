@@ -171,6 +171,9 @@ def test_two_processes_switch_together_and_stay_identical(tmp_path: Path) -> Non
         # of the factors were all-reduced, or the replicas would have drifted apart
         assert r["replica_gap"] == 0.0
         assert all(math.isfinite(v) for v in r["losses"])
+        # a plain Accelerate loop, switched as the README says: the same guarantees
+        assert r["accelerate"] == {"wrapper": "DistributedDataParallel", "same_wrapper": True,
+                                   "params_after": 11_648, "replica_gap": 0.0}
 
 
 def test_import_pufferfish_imports_no_trainer_library() -> None:

@@ -107,3 +107,19 @@ def test_two_processes_switch_together_and_stay_identical(tmp_path: Path) -> Non
         assert all(math.isfinite(v) for v in r["losses"])
     assert ranks[0]["losses"] != ranks[1]["losses"]  # each rank saw its own shard
     assert ranks[0]["lrs"] == ranks[1]["lrs"]
+
+
+def test_automatic_switch_and_ranks_observe_four_times_an_epoch() -> None:
+    callback = PufferfishCallback(warmup_epochs="auto", rank_ratio="auto", max_warmup=2,
+                                  verbose=False)
+    module = _fit([callback])
+    recipe = callback.recipe
+    assert recipe.switched_at in (1, 2)  # the detector fired, at the latest at the cap
+    assert recipe.describe_decisions().startswith(f"switch epoch (auto): {recipe.switched_at}")
+    times = [t for t, _ in recipe.tracker.history["net.2"]]
+    assert times[:5] == [0, 0.25, 0.5, 0.75, 1.0]  # at the start, then 4 times an epoch
+    ranks = recipe.decisions["ranks"]
+    assert set(ranks) == {"net.0", "net.2", "net.4", "net.6"}
+    assert {n: r for n, r in callback.report.ranks.items()} == {
+        n: r for n, r in ranks.items() if n in callback.report.ranks}
+    assert all(math.isfinite(v) for v in module.losses)

@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from test_training import free_port
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,8 +21,9 @@ def run_torchrun(script: str, out: Path, timeout: float = 300) -> list[dict[str,
     """
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), str(ROOT / "tests" / script), str(out)]
+    # --standalone: torchrun picks a free port itself (no window for another process to take it)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tests" / script), str(out)]
     # its own process group: on a timeout the workers go too, not only the torchrun agent
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
@@ -34,5 +33,5 @@ def run_torchrun(script: str, out: Path, timeout: float = 300) -> list[dict[str,
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         raise AssertionError(f"torchrun {script} hung for {timeout} s:\n{stderr[-3000:]}") from None
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{stderr[-4000:]}\n{stdout[-1000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
