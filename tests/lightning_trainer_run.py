@@ -123,6 +123,8 @@ def make_probe() -> Any:
     import lightning.pytorch as pl
     from torch.nn.parallel import DistributedDataParallel
 
+    from pufferfish.distributed.env import ddp_options
+
     class Probe(pl.Callback):
         def __init__(self) -> None:
             self.seen: dict[str, Any] = {}
@@ -130,9 +132,15 @@ def make_probe() -> Any:
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.wrapper, self.optimizer = trainer.strategy.model, trainer.optimizers[0]
+            self.forwards = 0
             if isinstance(self.wrapper, DistributedDataParallel):
                 # the user's comm hook (Lightning's ddp_comm_hook= registers on CUDA only)
                 self.wrapper.register_comm_hook(HOOK_STATE, counting_allreduce)
+                self.options = ddp_options(self.wrapper)
+                self.wrapper.register_forward_pre_hook(self.count_forward)  # on the wrapper
+
+        def count_forward(self, module: Any, args: Any) -> None:
+            self.forwards += 1
 
         def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
             HOOK_STATE["switched"] = trainer.current_epoch >= 1  # runs after the switch's hook
@@ -142,7 +150,10 @@ def make_probe() -> Any:
             self.seen = {"wrapper": type(wrapper).__name__,
                          "same_wrapper": wrapper is self.wrapper,
                          "same_optimizer": trainer.optimizers[0] is self.optimizer,
-                         "reducer_sees_factors": _reducer_covers(wrapper, pl_module)}
+                         "reducer_sees_factors": _reducer_covers(wrapper, pl_module),
+                         "options_kept": isinstance(wrapper, DistributedDataParallel)
+                         and ddp_options(wrapper) == self.options,
+                         "wrapper_hook_calls": self.forwards}
 
     return Probe()
 

@@ -45,8 +45,8 @@ def test_switch_after_warmup_keeps_the_trainers_optimizer_and_schedule() -> None
                                                                         "net.6"]
     assert report.params_after == sum(p.numel() for p in module.parameters()) == 5_384
     assert sum(isinstance(m, LowRankModule) for m in module.modules()) == 3
-    assert probe.seen == {"wrapper": "Classifier", "same_wrapper": True, "same_optimizer": True,
-                          "reducer_sees_factors": None}  # one process: no DDP
+    assert probe.seen["wrapper"] == "Classifier"  # one process: no DDP
+    assert probe.seen["same_optimizer"] and probe.seen["reducer_sees_factors"] is None
 
     optimizer = module.trainer.optimizers[0]
     assert module.trainer.lr_scheduler_configs[0].scheduler.optimizer is optimizer
@@ -97,7 +97,8 @@ def test_two_processes_switch_together_and_stay_identical(tmp_path: Path) -> Non
         assert r["lowrank_modules"] == 3 and r["params_after"] == 5_384
         assert r["wrapper"] == "DistributedDataParallel"
         assert r["same_wrapper"] and r["same_optimizer"]  # rebuilt in place, not replaced
-        assert r["reducer_sees_factors"]
+        assert r["reducer_sees_factors"] and r["options_kept"]
+        assert r["wrapper_hook_calls"] == 12  # a hook on the wrapper itself survives the rebuild
         # the user's comm hook ran on every step, after the
         # switch on the rebuilt reducer: 4 steps per epoch, 1 bucket
         assert r["hook_calls"] == {"before_switch": 4, "after_switch": 8}
