@@ -26,7 +26,6 @@ Resuming from a checkpoint written after the switch needs two things a trainer d
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -90,9 +89,7 @@ class TrainerSwitch:
         if self.switched:
             return
         if self.recipe.detector is None or not resumed:
-            with warnings.catch_warnings():  # the check's plan replaces nothing, on purpose
-                warnings.filterwarnings("ignore", message="factorize changed nothing")
-                self.recipe.observe(0, module)  # a check only, for fixed choices
+            self.recipe.observe(0, module)  # a check only, for fixed choices
 
     def due_at_epoch(self, epoch: int, module: nn.Module) -> bool:
         """Whether to switch at the start of ``epoch`` (epoch-based warm-up only)."""
