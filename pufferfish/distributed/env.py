@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["DistEnv", "all_reduce_sum", "broadcast_object", "cleanup", "ddp_options", "gather_object",
-           "rewrap_ddp", "say", "setup", "wrap_ddp"]
+           "rebuild_ddp_in_place", "rewrap_ddp", "say", "setup", "wrap_ddp"]
 
 
 @dataclass(frozen=True)
@@ -186,6 +186,47 @@ def rewrap_ddp(ddp: DistributedDataParallel, register_hooks: bool = True
             _forget_buckets(state)
             new.register_comm_hook(state, hook)
     return new
+
+
+def rebuild_ddp_in_place(ddp: DistributedDataParallel, register_hooks: bool = True
+                         ) -> DistributedDataParallel:
+    """Rebuild ``ddp`` around its changed module on the SAME wrapper object; return it.
+
+    For code that cannot swap in a new wrapper: a trainer's loop holds the wrapper in a local
+    variable (Hugging Face's ``_inner_training_loop``), in ``accelerator._models`` and in
+    ``trainer.model_wrapped``; every holder keeps working because the object stays the same. It
+    is :func:`rewrap_ddp` without the new object: the old reducer's autograd hooks are removed,
+    DDP's own constructor runs again on ``ddp`` with :func:`ddp_options` (so reducer, buckets,
+    parameter lists and the broadcast of rank 0's parameters are exactly those of a fresh
+    wrapper of this torch version), then what belongs to the wrapper as an ``nn.Module`` and not
+    to DDP (its train/eval mode, hooks registered on it, other attributes set on it) is put back,
+    and with ``register_hooks`` the comm hooks are registered again (see :func:`rewrap_ddp`).
+    Call it on every rank at the same point, outside forward/backward.
+    """
+    options = ddp_options(ddp)
+    hooks = list(getattr(ddp, "_comm_hooks", []))
+    module = ddp.module
+    _detach_wrapper(ddp)
+    reducer = getattr(ddp, "reducer", None)
+    if reducer is not None and hasattr(reducer, "_remove_autograd_hooks"):
+        reducer._remove_autograd_hooks()  # kept parameters must not call the old reducer
+    own = {k: v for k, v in vars(ddp).items() if k in _MODULE_FIELDS}  # nn.Module's, not DDP's
+    with warnings.catch_warnings():  # our choice, not the user's: see ddp_options
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.* is deprecated",
+                                category=FutureWarning)
+        DistributedDataParallel.__init__(ddp, module, **options)
+    vars(ddp).update(own)  # the same dicts: hooks and submodule registry ("module" is unchanged)
+    if register_hooks:
+        for hook, state in hooks:
+            if _made_by_ddp(state, ddp):
+                continue
+            _forget_buckets(state)
+            ddp.register_comm_hook(state, hook)
+    return ddp
+
+
+# What nn.Module.__init__ sets: mode, hook registries, parameter/buffer/submodule dicts.
+_MODULE_FIELDS = frozenset(vars(nn.Module()))
 
 
 def _made_by_ddp(state: Any, ddp: DistributedDataParallel) -> bool:
