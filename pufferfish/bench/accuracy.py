@@ -327,7 +327,9 @@ def target_table(
                 row = {"regime": regime, "method": c.method, "points_below": point,
                        "target_acc": target, **reach[c.method]}
                 row["speedup_vs_ddp"] = row["speedup_worst"] = row["speedup_best"] = None
-                if ddp and ddp["seconds"] is not None and row["seconds"] is not None:
+                if c.method == "ddp" and row["seconds"] is not None:  # itself, exactly
+                    row["speedup_vs_ddp"] = row["speedup_worst"] = row["speedup_best"] = 1.0
+                elif ddp and ddp["seconds"] is not None and row["seconds"] is not None:
                     row["speedup_vs_ddp"] = ddp["seconds"] / row["seconds"]
                     row["speedup_worst"] = ddp["seconds_low"] / row["seconds_high"]
                     row["speedup_best"] = ddp["seconds_high"] / row["seconds_low"]
@@ -354,12 +356,16 @@ def _pivot(table: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], dict[flo
     return out
 
 
+def _seconds(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
 def _reach_cells(row: Mapping[str, Any], ranges: bool) -> list[str]:
     if row["seconds"] is None:
         return ["not reached", "-", "-"]
-    secs = f"{row['seconds']:.0f}"
+    secs = _seconds(row["seconds"])
     if ranges:
-        secs += f" [{row['seconds_low']:.0f}–{row['seconds_high']:.0f}]"
+        secs += f" [{_seconds(row['seconds_low'])}–{_seconds(row['seconds_high'])}]"
     speed = "-"
     if row["speedup_vs_ddp"] is not None:
         speed = f"{row['speedup_vs_ddp']:.2f}x"
@@ -440,7 +446,7 @@ def plot(tta: Mapping[str, Any], out: Path) -> list[Path]:
     for key, name, note in (
         ("measured", "time_to_accuracy.png",
          "accuracy per epoch: the loopback `pufferfish train` runs; time: epochs x steps/epoch "
-         "x step time measured by `pufferfish bench` on each link (median; band: min–max)"),
+         "x step time measured by `pufferfish bench` on each link (median; bars: min–max)"),
         ("projected", "time_to_accuracy_projected.png",
          "PROJECTED: accuracy per epoch of the loopback runs; time from the α-β model at "
          "--compute-ms per step"),
@@ -453,16 +459,19 @@ def plot(tta: Mapping[str, Any], out: Path) -> list[Path]:
         ncols = len(regimes) if key == "measured" else len(part["bandwidths_bps"])
         nrows = -(-len(regimes) // ncols)
         fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.8 * nrows + 0.6),
-                                 squeeze=False, sharey=True)
+                                 squeeze=False, sharey=True, sharex=key == "measured")
         accs = [a for c in curves for a in c.accuracies]
         bottom = max(min(accs), min(targets) - 0.04)
         for ax, regime in zip(axes.flat, regimes):
-            for i, c in enumerate(x for x in curves if x.regime == regime):
-                color = f"C{i}"
+            for c in (x for x in curves if x.regime == regime):
                 ys = [100 * a for a in c.accuracies]
-                ax.plot(c.times, ys, marker=".", color=color, label=c.method)
-                if c.low != c.high:
-                    ax.fill_betweenx(ys, c.low, c.high, color=color, alpha=0.2)
+                run = tta["runs"][c.method]
+                label = c.method + ("" if run["epochs"] >= run["epochs_planned"] else
+                                    f" ({run['epochs']}/{run['epochs_planned']} epochs)")
+                xerr = [[t - lo for t, lo in zip(c.times, c.low)],
+                        [hi - t for t, hi in zip(c.times, c.high)]]
+                ax.errorbar(c.times, ys, xerr=xerr if c.low != c.high else None, marker=".",
+                            capsize=2, elinewidth=0.8, label=label)
             for t, style in zip(targets, ("--", ":")):
                 ax.axhline(100 * t, color="grey", linestyle=style, linewidth=0.8)
             ax.set(title=regime + (" (projected)" if key == "projected" else ""),
