@@ -325,7 +325,7 @@ def target_table(
             ddp = reach.get("ddp")
             for c in here:
                 row = {"regime": regime, "method": c.method, "points_below": point,
-                       "target_acc": target, **reach[c.method]}
+                       "target_acc": target, "best_acc": max(c.accuracies), **reach[c.method]}
                 row["speedup_vs_ddp"] = row["speedup_worst"] = row["speedup_best"] = None
                 if c.method == "ddp" and row["seconds"] is not None:  # itself, exactly
                     row["speedup_vs_ddp"] = row["speedup_worst"] = row["speedup_best"] = 1.0
@@ -362,7 +362,7 @@ def _seconds(x: float) -> str:
 
 def _reach_cells(row: Mapping[str, Any], ranges: bool) -> list[str]:
     if row["seconds"] is None:
-        return ["not reached", "-", "-"]
+        return [f"not reached (best {100 * row['best_acc']:.2f}%)", "-", "-"]
     secs = _seconds(row["seconds"])
     if ranges:
         secs += f" [{_seconds(row['seconds_low'])}–{_seconds(row['seconds_high'])}]"
