@@ -224,7 +224,7 @@ def test_time_to_accuracy_from_saved_step_times(tmp_path: Path) -> None:
     assert projected["compute_ms"] == 10.0 and len(projected["table"]) == 2 * 3 * 2 * 2
     md = (out / "results.md").read_text()
     assert "## Time to accuracy: accuracy of the training runs" in md
-    assert "| 100mbit | pufferfish | 3 | 220 [200–240] | 1.50x [1.25–1.80] |" in md
+    assert "| 100mbit | pufferfish | 1100.0 → 550.0 | 3 | 220 [200–240] | 1.50x [1.25–1.80] |" in md
     assert "PROJECTED for 8 and 64 workers" in md and "reused from" in md
     for png in ("time_to_accuracy.png", "time_to_accuracy_projected.png", "step_time.png"):
         assert (out / png).stat().st_size > 0

@@ -325,7 +325,8 @@ def target_table(
             ddp = reach.get("ddp")
             for c in here:
                 row = {"regime": regime, "method": c.method, "points_below": point,
-                       "target_acc": target, "best_acc": max(c.accuracies), **reach[c.method]}
+                       "target_acc": target, "best_acc": max(c.accuracies),
+                       "step_times": c.step_times, **reach[c.method]}
                 row["speedup_vs_ddp"] = row["speedup_worst"] = row["speedup_best"] = None
                 if c.method == "ddp" and row["seconds"] is not None:  # itself, exactly
                     row["speedup_vs_ddp"] = row["speedup_worst"] = row["speedup_best"] = 1.0
@@ -376,12 +377,14 @@ def _reach_cells(row: Mapping[str, Any], ranges: bool) -> list[str]:
 
 def _table(table: Sequence[Mapping[str, Any]], points: Sequence[float], regime: str,
            ranges: bool) -> list[str]:
-    head = [regime, "method"]
+    head = [regime, "method", "step ms"]
     for p in points:
         head += [f"epoch at −{p:g}", f"s to −{p:g}", f"speed-up (−{p:g})"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (reg, method), by_point in _pivot(table).items():
-        cells = [reg, method]
+        steps = by_point[points[0]]["step_times"]
+        full, low = (f"{1e3 * steps[k]:.1f}" for k in ("full", "lowrank"))
+        cells = [reg, method, full if full == low else f"{full} → {low}"]
         for p in points:
             cells += _reach_cells(by_point[p], ranges)
         lines.append("| " + " | ".join(cells) + " |")
@@ -402,6 +405,7 @@ def markdown(tta: Mapping[str, Any]) -> list[str]:
         "full-rank (warm-up) and at its own after the switch (the run's `lowrank` flag). "
         f"Steps/epoch = ⌊N / {tta['workers']} workers⌋ / batch (the runs must have used "
         f"{tta['workers']} processes). Evaluation and data loading are not counted. "
+        "step ms: median step time (a Pufferfish run's warm-up → after the switch). "
         "[low–high]: every step time at its min / max over rounds; speed-up vs DDP [worst–best]: "
         "DDP's low time over the method's high, and DDP's high over the method's low.", "",
         "| method | run | epochs | final test acc |", "|---|---|---|---|",
