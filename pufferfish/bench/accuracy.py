@@ -421,7 +421,8 @@ def markdown(tta: Mapping[str, Any]) -> list[str]:
     pj = tta["projected"]
     if pj:
         lines += [
-            "", "## Time to accuracy, PROJECTED for 8 and 64 workers", "",
+            "", "## Time to accuracy, PROJECTED for "
+            + " and ".join(str(p) for p in pj["workers"]) + " workers", "",
             f"Projected, not measured. Full-rank compute {pj['compute_ms']:g} ms per step "
             "(`--compute-ms`, one worker's batch on the user's GPU); every compute-side time "
             f"measured here (compute, hook encode/decode) is scaled by the same factor "
