@@ -6,26 +6,36 @@ compressors (fp16, PowerSGD, signSGD, top-k) that ship even fewer bytes but pay 
 encoding. Whether it does depends on the link, so the benchmark runs each method on each
 link for real and then extrapolates with an explicit model:
 
-1. For each ``--bandwidth`` (``loopback``, or a rate emulated by
+1. Every ``--bandwidth`` is set up once (``loopback``, or a rate emulated by
    :class:`~pufferfish.bench.netns.EmulatedLink`: two network namespaces joined by a
-   shaped veth pair) and each ``--methods`` entry, one group of ``--workers`` processes
-   runs :mod:`pufferfish.bench.step`, which times compute-only and full DDP steps and
-   writes one JSON record (rank 0). Emulated links need root and iproute2; without them
-   those conditions are skipped with the reason, never replaced by loopback.
-2. Before a link's runs, an all-reduce probe measures what the link really delivers
+   shaped veth pair) and an all-reduce probe measures what it really delivers
    (``link_bps``), so that a mis-shaped link is visible and the model below is fed the
-   bandwidth the workers actually had.
+   bandwidth the workers actually had. Emulated links need root and iproute2; without them
+   those conditions are skipped with the reason, never replaced by loopback.
+2. ``--rounds`` rounds (:mod:`pufferfish.bench.rounds`): in each, one group of
+   ``--workers`` processes per link runs :mod:`pufferfish.bench.step`, which times
+   compute-only and full DDP steps of every method in turn; the order of links and of
+   methods rotates from round to round. Rows report the median over rounds with the
+   min–max spread, and the ratio to DDP taken within each round, so that one noisy moment
+   of a shared machine cannot decide a row.
 3. :mod:`pufferfish.bench.projection` turns the measured compute/compress time and bytes
    into step times for 8/16/64 workers at 1/10/100 Gbit/s, with each method's crossover
    bandwidth against DDP, and predicts the measured 2-worker runs (its error column shows
    how far to trust it).
+4. With ``--accuracy-runs`` (``pufferfish train`` runs, one per method),
+   :mod:`pufferfish.bench.accuracy` turns their per-epoch accuracy and the measured step
+   times into accuracy against wall-clock time on each link and the time to reach DDP's
+   final accuracy minus 0.5/1 point; with ``--compute-ms`` also for 8 and 64 workers at
+   1/10/100 Gbit/s at that GPU compute time per step (projected).
 
-Outputs in ``--out``: ``results.json`` (one record per method and bandwidth),
-``projection.json``, ``results.md`` and the plots ``step_time.png`` / ``projection.png``.
+Outputs in ``--out``: ``results.json`` (per-round records, rows, time to accuracy),
+``projection.json``, ``results.md`` and the plots ``step_time.png`` / ``projection.png``
+(and ``time_to_accuracy.png`` / ``time_to_accuracy_projected.png``). ``--from-results``
+reuses an earlier run's measured step times instead of measuring again.
 
 ``--train`` instead trains each method for the same epochs with ``pufferfish train``
 (the one training loop, launched in the namespaces) and plots test accuracy against
-wall-clock time: the time-to-accuracy comparison the step times alone cannot give
+wall-clock time, each method trained over each link for real
 (``train.md``, ``train_results.json``, ``train/<bandwidth>/{report.md,accuracy.png}``).
 
 A failed worker group is reported (``results.md``, exit status 1) and the others still run.
@@ -47,7 +57,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import accuracy as acc
 from . import projection as proj
+from .accuracy import time_to_accuracy
 from .netns import (
     EmulatedLink,
     WorkerTimeout,
@@ -58,6 +70,7 @@ from .netns import (
     parse_bandwidth,
     run_workers,
 )
+from .rounds import compute_check, round_plan, summarize
 from .step import METHODS, hook_for
 
 __all__ = [
@@ -99,10 +112,15 @@ class BenchConfig:
     signum_beta: float = 0.9
     threads: int = 0  # 0: cores // workers
     data_dir: str = ""
+    rounds: int = 3
     alpha: float = proj.DEFAULT_ALPHA
     probe: bool = True
     timeout: float = 0.0  # 0: STEP_TIMEOUT per step group, no limit per training run
     out: str = "runs/bench"
+    # time to accuracy from existing runs' accuracy and the measured (or reused) step times
+    accuracy_runs: str = ""
+    compute_ms: float | None = None
+    from_results: str = ""
     # --train
     train: bool = False
     epochs: int = 3
@@ -135,7 +153,7 @@ class BenchConfig:
                 f"--workers {self.workers}: an emulated link connects exactly 2 workers; "
                 "use --workers 2, or --bandwidth loopback for more workers"
             )
-        for name in ("steps", "compute_steps", "batch_size", "powersgd_rank", "epochs"):
+        for name in ("steps", "compute_steps", "batch_size", "powersgd_rank", "epochs", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 1")
         if self.width <= 0:
@@ -165,12 +183,39 @@ class BenchConfig:
                 f"warmup_epochs {self.warmup_epochs} is invalid with epochs {self.epochs}: "
                 "Pufferfish methods need warmup_epochs < epochs"
             )
+        self._validate_accuracy()
         data = Path(self.data_dir) if self.data_dir else _default_data_dir()
-        if not data.is_dir():
+        if not self.from_results and not data.is_dir():
             raise ValueError(
                 f"Fashion-MNIST directory {str(data)!r} does not exist: install the Debian "
                 "package dataset-fashion-mnist or pass --data-dir"
             )
+
+    def _validate_accuracy(self) -> None:
+        """``--accuracy-runs`` / ``--compute-ms``: the runs exist, match the measured model and
+        batch, and the bench measures every step time their curves need."""
+        if self.compute_ms is not None and not self.compute_ms > 0:
+            raise ValueError(f"compute_ms {self.compute_ms!r} is invalid: allowed > 0 "
+                             "(milliseconds of one full-rank training step on your GPU)")
+        if not self.accuracy_runs:
+            if self.compute_ms is not None:
+                raise ValueError("--compute-ms projects time to accuracy: give --accuracy-runs "
+                                 "too")
+            return
+        if self.train:
+            raise ValueError("--accuracy-runs uses measured step times: not with --train, which "
+                             "trains over each link itself")
+        runs = self.load_accuracy_runs()
+        needed = dict.fromkeys(m for method in runs for m in acc.phase_methods(method))
+        missing = [m for m in needed if m not in self.methods]
+        if missing:
+            raise ValueError(f"--accuracy-runs {','.join(runs)} needs the step times of "
+                             f"{', '.join(missing)}: add them to --methods")
+
+    def load_accuracy_runs(self) -> dict[str, acc.AccuracyRun]:
+        return acc.load_accuracy_runs(self.accuracy_runs, model=self.model, width=self.width,
+                                      batch_size=self.batch_size,
+                                      powersgd_rank=self.powersgd_rank)
 
     def worker_threads(self) -> int:
         return self.threads or max(1, (os.cpu_count() or 1) // self.workers)
@@ -216,7 +261,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--timeout", type=float, default=d.timeout,
                     help=f"seconds per worker group (0: {STEP_TIMEOUT:.0f} for step timing, "
                          "no limit for --train)")
+    ap.add_argument("--rounds", type=int, default=d.rounds,
+                    help="interleaved rounds: every (link, method) once per round, the order "
+                         "rotating; rows give the median and min-max over rounds")
     ap.add_argument("--out", default=d.out, help="output directory")
+    ap.add_argument("--accuracy-runs", default=d.accuracy_runs, metavar="METHOD=DIR,...",
+                    help="`pufferfish train` runs whose per-epoch accuracy, timed with the "
+                         "measured step times, gives accuracy against wall-clock per link, "
+                         "e.g. ddp=runs/full,powersgd=runs/psgd,pufferfish=runs/puff "
+                         "(same model, width and batch; a ddp run sets the target)")
+    ap.add_argument("--compute-ms", type=float, default=d.compute_ms,
+                    help="with --accuracy-runs: your GPU's time per full-rank training step "
+                         "(one worker's batch), to project time to accuracy for 8 and 64 "
+                         "workers at 1/10/100 Gbit/s")
+    ap.add_argument("--from-results", default=d.from_results, metavar="RESULTS_JSON",
+                    help="reuse the step times of an earlier bench (its results.json, or its "
+                         "--out directory) instead of measuring; measurement flags are ignored")
     ap.add_argument("--train", action="store_true",
                     help="train each method with `pufferfish train` and plot time-to-accuracy")
     ap.add_argument("--epochs", type=int, default=d.epochs, help="--train: epochs per method")
@@ -231,6 +291,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """A validated :class:`BenchConfig` from parsed ``add_arguments`` options."""
+    measured = _measured_config(args.from_results) if args.from_results else {}
     cfg = BenchConfig(
         model=args.model, width=args.width,
         methods=[m.strip() for m in args.methods.split(",") if m.strip()],
@@ -242,10 +303,46 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         data_dir=args.data_dir, alpha=args.alpha_us * 1e-6, probe=args.probe,
         timeout=args.timeout, out=args.out, train=args.train, epochs=args.epochs,
         warmup_epochs=args.warmup_epochs, train_subset=args.train_subset,
-        test_subset=args.test_subset, lr=args.lr,
+        test_subset=args.test_subset, lr=args.lr, rounds=args.rounds,
+        accuracy_runs=args.accuracy_runs, compute_ms=args.compute_ms,
+        from_results=args.from_results,
     )  # fmt: skip
+    for key, value in measured.items():  # what was measured, not today's flags
+        setattr(cfg, key, value)
     cfg.validate()
     return cfg
+
+
+# Settings that describe a measurement, taken from the results when reused.
+_MEASURED = ("model", "width", "methods", "bandwidths", "workers", "steps", "warmup",
+             "compute_steps", "batch_size", "powersgd_rank", "powersgd_start_iter", "topk_ratio",
+             "signum_beta", "threads", "rounds")
+
+
+def _results_path(path: str) -> Path:
+    p = Path(path)
+    return p / "results.json" if p.is_dir() else p
+
+
+def _load_results(path: str) -> dict[str, Any]:
+    """An earlier bench's ``results.json`` (``ValueError`` if it is not one)."""
+    p = _results_path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--from-results {path!r}: no {p} (allowed: a bench's results.json or "
+                         "its --out directory)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--from-results {path!r}: {p} is not JSON ({e})") from None
+    if not isinstance(data, dict) or not {"config", "rows", "rounds"} <= data.keys():
+        raise ValueError(f"--from-results {path!r}: {p} is not the results.json of a "
+                         "`pufferfish bench` with --rounds")
+    return data
+
+
+def _measured_config(path: str) -> dict[str, Any]:
+    saved = _load_results(path)["config"]
+    return {k: saved[k] for k in _MEASURED if k in saved}
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -294,9 +391,9 @@ def _worker_error(results: list[subprocess.CompletedProcess[str]]) -> str | None
     return None
 
 
-def _step_argv(cfg: BenchConfig, method: str, out: Path, cache: Path) -> list[str]:
+def _step_argv(cfg: BenchConfig, methods: list[str], out: Path, cache: Path) -> list[str]:
     argv = [
-        sys.executable, "-m", "pufferfish.bench.step", "--method", method,
+        sys.executable, "-m", "pufferfish.bench.step", "--methods", ",".join(methods),
         "--model", cfg.model, "--width", str(cfg.width), "--batch-size", str(cfg.batch_size),
         "--steps", str(cfg.steps), "--warmup", str(cfg.warmup),
         "--compute-steps", str(cfg.compute_steps), "--powersgd-rank", str(cfg.powersgd_rank),
@@ -315,61 +412,93 @@ def _worker_env() -> dict[str, str]:
 
 
 def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
-    """Measure every (bandwidth, method), project, and write the outputs to ``cfg.out``.
+    """Measure every (bandwidth, method) in interleaved rounds (or reuse ``--from-results``),
+    project, time to accuracy if asked, and write the outputs to ``cfg.out``.
 
-    Returns ``{"records", "projection", "skipped", "failures", "links"}``.
+    Returns ``{"config", "links", "order", "rounds", "rows", "compute_check", "projection",
+    "time_to_accuracy", "skipped", "failures"}``: ``rounds`` holds one record per round,
+    link and method, ``rows`` their summary per link and method.
     """
     cfg.validate()
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    records: list[dict[str, Any]] = []
-    skipped: list[dict[str, str]] = []
-    failures: list[dict[str, str]] = []
-    links: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="pf-bench-") as tmp:
-        for text in cfg.bandwidths:
-            cond = _condition(text, skipped, log)
-            if cond is None:
-                continue
-            with cond as link:
-                rate = link.rate_bps if link is not None else None
-                probed = _probe(link, text, log) if cfg.probe else None
-                links.append({"bandwidth": text, "bandwidth_bps": rate, "link_bps": probed})
-                for method in cfg.methods:
-                    got = _step_group(cfg, link, method, Path(tmp))
-                    if isinstance(got, str):
-                        failures.append(_fail(method, text, got, log))
-                        continue
-                    rec = {"bandwidth": text, "bandwidth_bps": rate, "link_bps": probed, **got}
-                    records.append(rec)
-                    log(f"[{text}] {method}: step {rec['step_time']:.4f} s = compute "
-                        f"{rec['compute_time']:.4f} + comm {rec['comm_time']:.4f} "
-                        f"(compress {rec['compress_time']:.4f}); "
-                        f"{rec['bytes_per_step'] / 1e6:.3f} MB/step")
-    _add_speedups(records)
-    projection = _project(records, cfg)
-    result = {"records": records, "projection": projection, "skipped": skipped,
-              "failures": failures, "links": links}
+    if cfg.from_results:
+        saved = _load_results(cfg.from_results)
+        log(f"step times from {_results_path(cfg.from_results)} (measured, not re-run)")
+        measured = {k: saved[k] for k in ("links", "order", "rounds", "skipped", "failures")}
+    else:
+        measured = _measure(cfg, log)
+    records = measured["rounds"]
+    links = [link["bandwidth"] for link in measured["links"]]
+    rows = summarize(records, links, cfg.methods)
+    projection = _project(rows, cfg)
+    result = {"config": {**asdict(cfg), "threads": cfg.worker_threads()}, **measured,
+              "rows": rows, "compute_check": compute_check(rows), "projection": projection,
+              "time_to_accuracy": _time_to_accuracy(cfg, rows, links, projection)}
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
     _write_outputs(cfg, result, log)
     return result
 
 
+def _measure(cfg: BenchConfig, log: Log) -> dict[str, Any]:
+    """Set up every link (probing it), then measure ``cfg.rounds`` rounds over them."""
+    records: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
+    failures: list[dict[str, Any]] = []
+    links: list[dict[str, Any]] = []
+    opened: dict[str, EmulatedLink | None] = {}
+    with tempfile.TemporaryDirectory(prefix="pf-bench-") as tmp, contextlib.ExitStack() as stack:
+        # Every link stays up for the whole run, so that rounds can revisit it.
+        for text in cfg.bandwidths:
+            cond = _condition(text, skipped, log)
+            if cond is None:
+                continue
+            link = stack.enter_context(cond)
+            rate = link.rate_bps if link is not None else None
+            probed = _probe(link, text, log) if cfg.probe else None
+            links.append({"bandwidth": text, "bandwidth_bps": rate, "link_bps": probed})
+            opened[text] = link
+        order = round_plan(list(opened), cfg.methods, cfg.rounds)
+        for r, plan in enumerate(order):
+            log(f"round {r + 1}/{cfg.rounds}: "
+                + "; ".join(f"{text}: {', '.join(ms)}" for text, ms in plan))
+            for text, methods in plan:
+                info = next(x for x in links if x["bandwidth"] == text)
+                got, err = _step_group(cfg, opened[text], methods, Path(tmp))
+                for rec in got:
+                    rec = {"round": r, **info, **rec}
+                    records.append(rec)
+                    log(f"[{text}] round {r + 1} {rec['method']}: step {rec['step_time']:.4f} s "
+                        f"= compute {rec['compute_time']:.4f} + comm {rec['comm_time']:.4f} "
+                        f"(compress {rec['compress_time']:.4f}); "
+                        f"{rec['bytes_per_step'] / 1e6:.3f} MB/step")
+                if err is not None:
+                    done = {rec["method"] for rec in got}
+                    lost = [m for m in methods if m not in done]
+                    kept = f" (kept: {', '.join(sorted(done))})" if done else ""
+                    failures.append({**_fail(",".join(lost) or "-", text, err + kept, log),
+                                     "round": r})
+    return {"links": links, "order": order, "rounds": records, "skipped": skipped,
+            "failures": failures}
+
+
 def _step_group(
-    cfg: BenchConfig, link: EmulatedLink | None, method: str, tmp: Path
-) -> dict[str, Any] | str:
-    """One group of workers timing ``method``: rank 0's record, or why it failed."""
+    cfg: BenchConfig, link: EmulatedLink | None, methods: list[str], tmp: Path
+) -> tuple[list[dict[str, Any]], str | None]:
+    """One group of workers timing ``methods`` in turn: the records rank 0 wrote (a group that
+    failed part-way keeps the methods it finished: they were gathered from every rank), and
+    why the group failed, or ``None``."""
     timeout = cfg.timeout or STEP_TIMEOUT
-    path = tmp / f"{method}-{os.urandom(4).hex()}.json"
-    argv = _step_argv(cfg, method, path, tmp / "cache")
+    path = tmp / f"step-{os.urandom(4).hex()}.json"
+    argv = _step_argv(cfg, methods, path, tmp / "cache")
     try:
         results = run_workers(link, lambda rank: argv, env=_worker_env(), timeout=timeout,
                               world_size=cfg.workers)
+        err = _worker_error(results)
     except WorkerTimeout:
-        return f"timed out after {timeout:.0f} s"
-    err = _worker_error(results)
-    if err is not None or not path.exists():
-        return err or "rank 0 wrote no result"
-    return json.loads(path.read_text())
+        err = f"timed out after {timeout:.0f} s"
+    got = json.loads(path.read_text()) if path.exists() else []
+    if err is None and len(got) < len(methods):
+        err = "rank 0 wrote no result" if not got else "rank 0 wrote only some results"
+    return got, err
 
 
 def _probe(link: EmulatedLink | None, text: str, log: Log) -> float | None:
@@ -383,13 +512,6 @@ def _probe(link: EmulatedLink | None, text: str, log: Log) -> float | None:
     nominal = f" of nominal {format_bps(link.rate_bps)}" if link is not None else ""
     log(f"[{text}] link probe: all-reduce bus bandwidth {format_bps(bps)}{nominal}")
     return bps
-
-
-def _add_speedups(records: list[dict[str, Any]]) -> None:
-    ddp = {r["bandwidth"]: r["step_time"] for r in records if r["method"] == "ddp"}
-    for r in records:
-        base = ddp.get(r["bandwidth"])
-        r["speedup_vs_ddp"] = base / r["step_time"] if base and r["step_time"] > 0 else None
 
 
 # -- projection ------------------------------------------------------------------------------------
@@ -449,14 +571,54 @@ def _project(records: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
     }
 
 
+# -- time to accuracy -------------------------------------------------------------------------------
+
+
+def _time_to_accuracy(cfg: BenchConfig, rows: list[dict[str, Any]], links: list[str],
+                      projection: dict[str, Any]) -> dict[str, Any] | None:
+    """``--accuracy-runs`` timed with the measured step times of each link (and, with
+    ``--compute-ms``, projected): curves and the time-to-target table, or ``None``."""
+    if not cfg.accuracy_runs:
+        return None
+    runs = cfg.load_accuracy_runs()
+    step_times = {(r["bandwidth"], r["method"]): acc.StepTime(r["step_time"],
+                                                              *r["spread"]["step_time"])
+                  for r in rows}
+    ddp_final = runs["ddp"].accuracies[-1]
+    curves = acc.measured_curves(runs, step_times, links, cfg.workers)
+    result: dict[str, Any] = {
+        "runs": {m: {"path": r.path, "epochs": len(r.rows), "epochs_planned": r.epochs_planned,
+                     "final_test_acc": r.accuracies[-1], "batch_size": r.batch_size,
+                     "train_examples": r.train_examples} for m, r in runs.items()},
+        "ddp_final_acc": ddp_final,
+        "points_below": list(acc.TARGET_POINTS),
+        "workers": cfg.workers,
+        "measured": {"curves": [asdict(c) for c in curves],
+                     "table": acc.target_table(curves, ddp_final)},
+        "projected": None,
+    }
+    if cfg.compute_ms is not None:
+        profiles = [proj.CommProfile(**p) for p in projection["profiles"]]
+        projected, info = acc.projected_curves(runs, profiles, cfg.compute_ms, alpha=cfg.alpha)
+        result["projected"] = {
+            "compute_ms": cfg.compute_ms, **info, "alpha": cfg.alpha,
+            "workers": list(acc.PROJECTED_WORKERS),
+            "bandwidths_bps": list(proj.DEFAULT_BANDWIDTHS),
+            "curves": [asdict(c) for c in projected],
+            "table": acc.target_table(projected, ddp_final)}
+    return result
+
+
 # -- outputs ----------------------------------------------------------------------------------------
 
 
 def _write_outputs(cfg: BenchConfig, result: dict[str, Any], log: Log) -> None:
     out = Path(cfg.out)
-    (out / "results.json").write_text(json.dumps(result["records"], indent=1))
+    (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "projection.json").write_text(json.dumps(result["projection"], indent=1))
-    plots = _plot(result, out) if result["records"] else []
+    plots = _plot(result, out) if result["rows"] else []
+    if result["time_to_accuracy"]:
+        plots += acc.plot(result["time_to_accuracy"], out)
     (out / "results.md").write_text(_markdown(cfg, result, plots))
     log(f"written: {out / 'results.json'}, {out / 'results.md'}, {out / 'projection.json'}"
         + "".join(f", {p}" for p in plots))
@@ -466,26 +628,39 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1e3 * x:.1f}"
 
 
+def _ms_spread(row: dict[str, Any], key: str) -> str:
+    """``median [min–max]`` in milliseconds."""
+    low, high = row["spread"][key]
+    return f"{_ms(row[key])} [{_ms(low)}–{_ms(high)}]"
+
+
 def _markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]) -> str:
     import torch
 
-    recs = result["records"]
+    rows = result["rows"]
+    source = (f"Step times reused from `{_results_path(cfg.from_results)}`. "
+              if cfg.from_results else "")
     lines = [
         f"# pufferfish bench: {cfg.model} x{cfg.width}, {cfg.workers} workers",
         "",
-        f"Per worker: batch {cfg.batch_size} of Fashion-MNIST, {cfg.worker_threads()} torch "
-        f"thread(s); {cfg.warmup} warm-up steps, {cfg.compute_steps} compute-only steps, "
-        f"{cfg.steps} timed steps. torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"{source}Per worker: batch {cfg.batch_size} of Fashion-MNIST, "
+        f"{cfg.worker_threads()} torch thread(s); per method and round {cfg.warmup} warm-up "
+        f"steps, {cfg.compute_steps} compute-only steps, {cfg.steps} timed steps; {cfg.rounds} "
+        f"interleaved round(s). torch {torch.__version__}, {os.cpu_count()} CPUs, "
         f"{platform.platform()}. PowerSGD rank {cfg.powersgd_rank} (compressing from step "
         f"{cfg.powersgd_start_iter}), top-k ratio {cfg.topk_ratio}, signum beta "
         f"{cfg.signum_beta}; pufferfish = the paper preset at rank ratio 0.25.",
         "",
-        "step = median full DDP step with the method's hook; compute = median step under "
+        "Each round runs one worker group per link that measures every method in turn; the "
+        "order of links and of methods rotates from round to round (below). Per round: step = "
+        "median full DDP step with the method's hook; compute = median step under "
         "`ddp.no_sync()` (no gradient communication); comm = step - compute, the communication "
-        "(and hook encode/decode) NOT hidden by overlap; compress = the hook's encode/decode "
-        "time (a lower bound for PowerSGD, whose decode runs in callbacks); MB = payload per "
-        "step (`bytes_sent`), ring MB = what a rank sends under the ring model. Times are the "
-        "slowest rank's medians. predicted = the α-β model at this worker count and the probed "
+        "(and hook encode/decode) NOT hidden by overlap; share = comm / step; compress = the "
+        "hook's encode/decode time (a lower bound for PowerSGD, whose decode runs in callbacks); "
+        "times are the slowest rank's. Cells: median over rounds [min–max over rounds]. "
+        "speedup vs ddp = DDP's step / the method's step in the same round and link, then "
+        "median [min–max]. MB = payload per step (`bytes_sent`), ring MB = what a rank sends "
+        "under the ring model. predicted = the α-β model at this worker count and the probed "
         "link rate, from this row's compute and compress; error = (predicted - step) / step.",
         "",
         "## Links",
@@ -499,24 +674,59 @@ def _markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]) -> st
         lines.append(f"| {link['bandwidth']} | {nominal} | {probed} |")
     for s in result["skipped"]:
         lines.append(f"| {s['bandwidth']} | skipped: {s['reason']} | - |")
-    head = ["method", "bandwidth", "step ms", "compute ms", "comm ms", "compress ms", "MB/step",
-            "ring MB/step", "params", "speedup vs ddp", "predicted ms", "error"]
+    lines += ["", "Measuring order:", ""]
+    lines += [f"{r + 1}. " + "; ".join(f"{text} ({', '.join(ms)})" for text, ms in plan)
+              for r, plan in enumerate(result["order"])]
+    head = ["method", "bandwidth", "rounds", "step ms", "compute ms", "comm ms", "share",
+            "compress ms", "MB/step", "ring MB/step", "params", "speedup vs ddp",
+            "predicted ms", "error"]
     lines += ["", "## Measured", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in recs:
-        speed = "-" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.2f}x"
+    for r in rows:
+        speed = "-" if r["speedup_vs_ddp"] is None else (
+            f"{r['speedup_vs_ddp']:.2f}x [{r['spread']['speedup_vs_ddp'][0]:.2f}–"
+            f"{r['spread']['speedup_vs_ddp'][1]:.2f}]")
+        share = r["spread"]["comm_share"]
         err = "-" if r["prediction_error"] is None else f"{100 * r['prediction_error']:+.0f}%"
         lines.append("| " + " | ".join([
-            r["method"], r["bandwidth"], _ms(r["step_time"]), _ms(r["compute_time"]),
-            _ms(r["comm_time"]), _ms(r["compress_time"]), f"{r['bytes_per_step'] / 1e6:.3f}",
+            r["method"], r["bandwidth"], str(r["rounds"]), _ms_spread(r, "step_time"),
+            _ms_spread(r, "compute_time"), _ms_spread(r, "comm_time"),
+            f"{100 * r['comm_share']:.0f}% [{100 * share[0]:.0f}–{100 * share[1]:.0f}]",
+            _ms(r["compress_time"]), f"{r['bytes_per_step'] / 1e6:.3f}",
             f"{r['ring_bytes_per_step'] / 1e6:.3f}", f"{r['params'] / 1e6:.3f}M", speed,
             _ms(r["predicted_step_time"]), err]) + " |")  # fmt: skip
+    lines += _compute_check_markdown(result["compute_check"], [x["bandwidth"]
+                                                               for x in result["links"]])
     lines += _projection_markdown(result["projection"])
+    if result["time_to_accuracy"]:
+        lines += acc.markdown(result["time_to_accuracy"])
     if result["failures"]:
         lines += ["", "## Failed groups", ""]
-        lines += [f"- {f['method']} @ {f['bandwidth']}: {f['error']}" for f in result["failures"]]
+        lines += [f"- {f['method']} @ {f['bandwidth']}"
+                  + (f", round {f['round'] + 1}" if "round" in f else "") + f": {f['error']}"
+                  for f in result["failures"]]
     if plots:
         lines += ["", *[f"![{p.stem}]({p.name})" for p in plots]]
     return "\n".join(lines) + "\n"
+
+
+def _compute_check_markdown(check: list[dict[str, Any]], links: list[str]) -> list[str]:
+    """Compute-only medians per method on every link: they should agree (no link involved)."""
+    if not check or len(links) < 2:
+        return []
+    head = ["method", *[f"{text} compute ms" for text in links], "max/min - 1", ""]
+    lines = [
+        "", "## Sanity check: compute does not depend on the link", "",
+        "A compute-only step sends nothing, so its median should be the same on every link; a "
+        "gap above 15% is flagged: the machine's load moved it, and rows that differ by less "
+        "than such a gap do not differ.", "",
+        "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+    ]
+    for c in check:
+        cells = [_ms(c["compute_time"].get(text)) for text in links]
+        flag = "**> 15%: noisy**" if c["flagged"] else "ok"
+        lines.append("| " + " | ".join([c["method"], *cells, f"{100 * c['disagreement']:.0f}%",
+                                        flag]) + " |")
+    return lines
 
 
 def _projection_markdown(projection: dict[str, Any]) -> list[str]:
@@ -558,18 +768,21 @@ def _plot(result: dict[str, Any], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = result["records"]
+    recs = result["rows"]
     # Fastest link on the left: loopback, then emulated rates in decreasing order.
     order = sorted(dict.fromkeys(r["bandwidth"] for r in recs),
                    key=lambda b: -(parse_bandwidth(b) or float("inf")))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for m in dict.fromkeys(r["method"] for r in recs):
-        pts = [(order.index(r["bandwidth"]), r["step_time"]) for r in recs if r["method"] == m]
-        pts.sort()
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=m)
+        pts = sorted((order.index(r["bandwidth"]), r["step_time"], *r["spread"]["step_time"])
+                     for r in recs if r["method"] == m)
+        ax.errorbar([x for x, *_ in pts], [y for _, y, _, _ in pts],
+                    yerr=[[y - lo for _, y, lo, _ in pts], [hi - y for _, y, _, hi in pts]],
+                    marker="o", capsize=3, label=m)
     ax.set_xticks(range(len(order)), order)
-    ax.set(xlabel="link", ylabel="median step time (s)", yscale="log",
-           title=f"measured step time, {recs[0]['workers']} workers")
+    ax.set(xlabel="link", ylabel="step time (s): median, bars min–max over rounds",
+           yscale="log", title=f"measured step time, {recs[0]['workers']} workers, "
+                               f"{max(r['rounds'] for r in recs)} rounds")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -620,16 +833,6 @@ def _train_argv(cfg: BenchConfig, method: str, run_dir: Path) -> list[str]:
     if cfg.data_dir:
         argv += ["--data-dir", cfg.data_dir]
     return argv
-
-
-def time_to_accuracy(rows: list[dict[str, Any]], target: float) -> float | None:
-    """Training seconds (sum of ``epoch_time``) until test accuracy first reaches ``target``."""
-    clock = 0.0
-    for row in rows:
-        clock += row["epoch_time"]
-        if row["test_acc"] >= target:
-            return clock
-    return None
 
 
 def run_train(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:

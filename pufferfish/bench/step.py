@@ -1,13 +1,17 @@
-"""Worker of ``pufferfish bench``: time DDP training steps of one method on one link.
+"""Worker of ``pufferfish bench``: time DDP training steps of some methods on one link.
 
 Started once per rank by :mod:`pufferfish.bench.runner` (through
 :func:`pufferfish.bench.netns.run_workers`, which sets ``RANK``/``WORLD_SIZE``/
 ``MASTER_ADDR``/``MASTER_PORT`` and, on an emulated link, runs us inside a network
-namespace). Rank 0 writes one JSON object to ``--out``; the runner reads it.
+namespace). The ``--methods`` are measured one after the other in the order given, each
+with a fresh model, DDP wrapper, hook and optimizer but the same minibatches; one worker
+group per link and round thus interleaves the methods without paying process start-up per
+method. After each method rank 0 rewrites ``--out`` with the JSON list of the records so
+far; the runner reads it (a group that fails later keeps the methods it finished).
 
-What is measured, per rank, after ``--warmup`` full steps (DDP re-buckets after its first
-step and PowerSGD starts compressing at step ``--powersgd-start-iter``, so warm-up must
-cover both):
+What is measured, per rank and method, after ``--warmup`` full steps (DDP re-buckets after
+its first step and PowerSGD starts compressing at step ``--powersgd-start-iter``, so
+warm-up must cover both):
 
 ``compute_time``
     Median of ``--compute-steps`` steps (zero_grad, forward, backward, optimizer step)
@@ -40,6 +44,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import gc
 import inspect
 import json
 import statistics
@@ -100,9 +105,20 @@ def method_options(hook: str, args: argparse.Namespace) -> dict[str, Any]:
     return {}
 
 
+def _method_list(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS:
+            raise argparse.ArgumentTypeError(f"unknown method {m!r}: allowed {', '.join(METHODS)}")
+    if not methods:
+        raise argparse.ArgumentTypeError("no method given")
+    return methods
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m pufferfish.bench.step", description=__doc__)
-    ap.add_argument("--method", required=True, choices=list(METHODS))
+    ap.add_argument("--methods", required=True, type=_method_list,
+                    help=f"comma-separated, measured in this order; from {', '.join(METHODS)}")
     ap.add_argument("--model", default="resnet18")
     ap.add_argument("--width", type=float, default=0.5)
     ap.add_argument("--batch-size", type=int, default=128)
@@ -176,17 +192,18 @@ def _quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
     return q[0], q[1], q[2]
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the protocol of the module docstring on this rank; return its measurements."""
+def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> dict[str, Any]:
+    """Run the protocol of the module docstring for ``method`` on this rank, on
+    ``minibatches`` (warm-up + compute-only + full steps of them); return its measurements."""
     from ..distributed.hooks import register_comm_hook
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    factorized, hook = hook_for(args.method)
+    rank = dist.get_rank()
+    factorized, hook = hook_for(method)
     model, full_params = _build(args, factorized)
     ddp = DistributedDataParallel(model, **_NO_BUFFER_SYNC)
     state = register_comm_hook(ddp, hook, **method_options(hook, args))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    batches = iter(_batches(args, rank, world, args.warmup + args.compute_steps + args.steps))
+    batches = iter(minibatches)
 
     for _ in range(args.warmup):
         _train_step(ddp, opt, next(batches))
@@ -270,31 +287,41 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _record(args: argparse.Namespace, method: str, world: int,
+            gathered: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "method": method,
+        "model": args.model,
+        "width": args.width,
+        "batch_size": args.batch_size,
+        "workers": world,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "compute_steps": args.compute_steps,
+        "threads": torch.get_num_threads(),
+        **combine(gathered),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     try:
-        mine = measure(args)
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        if dist.get_rank() == 0:
-            record = {
-                "method": args.method,
-                "model": args.model,
-                "width": args.width,
-                "batch_size": args.batch_size,
-                "workers": dist.get_world_size(),
-                "steps": args.steps,
-                "warmup": args.warmup,
-                "compute_steps": args.compute_steps,
-                "threads": torch.get_num_threads(),
-                **combine(gathered),
-            }
-            tmp = Path(args.out + ".tmp")
-            tmp.write_text(json.dumps(record, indent=1))
-            tmp.replace(args.out)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        minibatches = _batches(args, rank, world, args.warmup + args.compute_steps + args.steps)
+        records: list[dict[str, Any]] = []
+        for method in args.methods:
+            mine = measure(args, method, minibatches)
+            gc.collect()  # the previous method's model, DDP reducer and hook state go now
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, mine)
+            if rank == 0:
+                records.append(_record(args, method, world, gathered))
+                tmp = Path(args.out + ".tmp")
+                tmp.write_text(json.dumps(records, indent=1))
+                tmp.replace(args.out)
     finally:
         # Let every rank finish its last collective before the group goes away: tearing gloo down
         # with work in flight on a peer aborts that peer ("terminate called without an active

@@ -1,0 +1,494 @@
+"""Time to accuracy from loopback accuracy curves and per-link step times.
+
+Test accuracy per epoch does not depend on the link a run trained over: the same steps
+compute the same weights. Wall-clock time does, through the step time. So a curve of
+accuracy against time on a slow link needs no training over that link: it combines
+
+* the per-epoch test accuracy of ``pufferfish train`` runs (``metrics.jsonl``, one run per
+  method, trained anywhere: e.g. two processes over loopback), with
+* the step times :mod:`pufferfish.bench.runner` measures for the same model and batch on
+  each link (median over rounds, with min–max), or projects with the α-β model of
+  :mod:`pufferfish.bench.projection` for ``p`` workers at a user's GPU compute time.
+
+Time at the end of epoch ``e`` is ``sum over epochs <= e of steps_per_epoch x step time``
+of the method in that epoch's phase: a factorized method (Pufferfish) steps at its
+full-rank counterpart's time while its ``metrics.jsonl`` row says ``lowrank: false``
+(warm-up; Pufferfish + all-reduce warms up as DDP, + PowerSGD as PowerSGD) and at its own
+after the switch. The row's flag describes the model at the epoch's end, so an automatic
+switch inside an epoch counts that whole epoch as low-rank. Evaluation and data loading
+are not counted. The target is full-rank DDP's final test accuracy minus 0.5 and minus 1
+point.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import projection as proj
+from .netns import format_bps
+from .step import METHODS, PUFFERFISH_RANK_RATIO, hook_for
+
+__all__ = [
+    "FASHION_MNIST_TRAIN",
+    "PROJECTED_WORKERS",
+    "TARGET_POINTS",
+    "AccuracyRun",
+    "Curve",
+    "StepTime",
+    "load_accuracy_runs",
+    "markdown",
+    "measured_curves",
+    "parse_accuracy_runs",
+    "phase_methods",
+    "plot",
+    "projected_curves",
+    "steps_per_epoch",
+    "target_table",
+    "time_to_accuracy",
+    "wallclock",
+]
+
+TARGET_POINTS: tuple[float, ...] = (0.5, 1.0)  # below full-rank DDP's final accuracy
+PROJECTED_WORKERS: tuple[int, ...] = (8, 64)
+FASHION_MNIST_TRAIN = 60_000  # training images; the bench measures Fashion-MNIST batches
+
+
+# -- accuracy runs ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AccuracyRun:
+    """One ``pufferfish train`` run standing for a bench method: its per-epoch rows."""
+
+    method: str
+    path: str
+    rows: list[dict[str, Any]]
+    epochs_planned: int
+    batch_size: int
+    train_examples: int
+
+    @property
+    def finished(self) -> bool:
+        return len(self.rows) >= self.epochs_planned
+
+    @property
+    def accuracies(self) -> list[float]:
+        return [r["test_acc"] for r in self.rows]
+
+
+def parse_accuracy_runs(spec: str) -> dict[str, Path]:
+    """``"ddp=runs/a,pufferfish=runs/b"`` -> ``{method: run directory}`` (``ValueError``)."""
+    runs: dict[str, Path] = {}
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        method, sep, path = (x.strip() for x in item.partition("="))
+        if not sep or not method or not path:
+            raise ValueError(f"--accuracy-runs entry {item!r} is invalid: allowed METHOD=RUN_DIR, "
+                             "e.g. ddp=runs/full,pufferfish=runs/pufferfish")
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r} in --accuracy-runs: allowed "
+                             + ", ".join(METHODS))
+        if method in runs:
+            raise ValueError(f"--accuracy-runs names method {method!r} twice")
+        runs[method] = Path(path)
+    if "ddp" not in runs:
+        raise ValueError(f"--accuracy-runs {spec!r} has no ddp run: the target is full-rank "
+                         "DDP's final accuracy")
+    return runs
+
+
+def load_accuracy_runs(
+    spec: str, *, model: str, width: float, batch_size: int, powersgd_rank: int
+) -> dict[str, AccuracyRun]:
+    """Read and check the runs of ``--accuracy-runs`` against what the bench measures.
+
+    Each must be a Fashion-MNIST run of ``model`` at ``width`` and ``batch_size`` per
+    process, trained the way its method says (mode, comm hook, PowerSGD rank, Pufferfish's
+    paper preset at rank ratio 1/4): otherwise its accuracy does not belong to the measured
+    steps. ``ValueError`` with one line naming the run and the mismatch.
+    """
+    from ..config import ConfigError, load_config
+    from ..training.metrics import read_metrics
+
+    runs: dict[str, AccuracyRun] = {}
+    for method, path in parse_accuracy_runs(spec).items():
+        where = f"--accuracy-runs {method}={path}"
+        if not (path / "metrics.jsonl").is_file():
+            raise ValueError(f"{where}: no metrics.jsonl there (not a `pufferfish train` run "
+                             "directory)")
+        try:
+            cfg = load_config(path / "config.toml")
+        except ConfigError as e:
+            raise ValueError(f"{where}: {e}") from None
+        rows = [r for r in read_metrics(path) if r.get("test_acc") is not None]
+        if not rows:
+            raise ValueError(f"{where}: metrics.jsonl has no epoch with test_acc yet")
+        factorized, hook = hook_for(method)
+        expect = {"data": "fashion-mnist", "model": model, "width": width,
+                  "batch_size": batch_size, "mode": "pufferfish" if factorized else "full",
+                  "comm": hook}
+        if hook == "powersgd":
+            expect["powersgd_rank"] = powersgd_rank
+        if factorized:
+            expect |= {"rank_ratio": str(PUFFERFISH_RANK_RATIO), "preset": "paper"}
+        for key, want in expect.items():
+            got = getattr(cfg, key)
+            if got != want and str(got) != str(want):
+                raise ValueError(f"{where}: the run has {key} {got!r} but the bench's {method} "
+                                 f"measures {key} {want!r}")
+        if not factorized and any(r.get("lowrank") for r in rows):
+            raise ValueError(f"{where}: the run has low-rank epochs but {method} is full-rank")
+        runs[method] = AccuracyRun(method, str(path), rows, cfg.epochs, cfg.batch_size,
+                                   cfg.train_subset or FASHION_MNIST_TRAIN)
+    return runs
+
+
+def steps_per_epoch(train_examples: int, batch_size: int, workers: int) -> int:
+    """Optimizer steps per epoch: every rank gets ``N // workers`` examples, full batches only
+    (the training loader's ``drop_last``)."""
+    return (train_examples // workers) // batch_size
+
+
+def phase_methods(method: str) -> tuple[str, str]:
+    """``(full-rank phase, low-rank phase)`` bench methods whose step times a run's epochs take:
+    a factorized method warms up as the full-rank method with the same hook."""
+    factorized, hook = hook_for(method)
+    if not factorized:
+        return method, method
+    full = next(m for m, (f, h) in METHODS.items() if not f and h == hook)
+    return full, method
+
+
+# -- curves ------------------------------------------------------------------------------------
+
+
+def wallclock(
+    rows: Sequence[Mapping[str, Any]], steps: int, full_step: float, lowrank_step: float
+) -> list[float]:
+    """Seconds of training at the end of each epoch: ``steps`` per epoch at ``full_step``
+    seconds, or ``lowrank_step`` in epochs whose row says ``lowrank``."""
+    clock, out = 0.0, []
+    for row in rows:
+        clock += steps * (lowrank_step if row.get("lowrank") else full_step)
+        out.append(clock)
+    return out
+
+
+def time_to_accuracy(
+    rows: Sequence[Mapping[str, Any]], target: float, times: Sequence[float] | None = None
+) -> float | None:
+    """Seconds until test accuracy first reaches ``target`` (``None``: never).
+
+    ``times`` are the seconds at each epoch's end; by default the run's own clock, the
+    cumulative ``epoch_time`` (training without evaluation).
+    """
+    if times is None:
+        times, clock = [], 0.0
+        for row in rows:
+            clock += row["epoch_time"]
+            times.append(clock)
+    return next((t for row, t in zip(rows, times) if row["test_acc"] >= target), None)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step time in seconds with its spread (``low``/``high``; equal when modelled)."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def exact(cls, seconds: float) -> StepTime:
+        return cls(seconds, seconds, seconds)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Accuracy against seconds for one method in one regime (a link, or a projected cluster);
+    ``low``/``high`` are the seconds with every step time at its low/high end."""
+
+    method: str
+    regime: str
+    steps_per_epoch: int
+    accuracies: list[float]
+    times: list[float]
+    low: list[float]
+    high: list[float]
+    step_times: dict[str, float] = field(default_factory=dict)  # phase -> median seconds
+
+
+def _curve(run: AccuracyRun, regime: str, steps: int, full: StepTime,
+           lowrank: StepTime) -> Curve:
+    rows = run.rows
+    return Curve(
+        run.method, regime, steps, run.accuracies,
+        wallclock(rows, steps, full.median, lowrank.median),
+        wallclock(rows, steps, full.low, lowrank.low),
+        wallclock(rows, steps, full.high, lowrank.high),
+        {"full": full.median, "lowrank": lowrank.median},
+    )
+
+
+def measured_curves(
+    runs: Mapping[str, AccuracyRun],
+    step_times: Mapping[tuple[str, str], StepTime],
+    links: Sequence[str],
+    workers: int,
+) -> list[Curve]:
+    """A curve per link and run, with the bench's step times of ``(link, method)``.
+
+    A method whose phases were not both measured on a link gets no curve there.
+    """
+    curves: list[Curve] = []
+    for link in links:
+        for method, run in runs.items():
+            full, low = (step_times.get((link, m)) for m in phase_methods(method))
+            if full is None or low is None:
+                continue
+            steps = steps_per_epoch(run.train_examples, run.batch_size, workers)
+            curves.append(_curve(run, link, steps, full, low))
+    return curves
+
+
+def projected_curves(
+    runs: Mapping[str, AccuracyRun],
+    profiles: Sequence[proj.CommProfile],
+    compute_ms: float,
+    workers: Sequence[int] = PROJECTED_WORKERS,
+    bandwidths: Sequence[float] = proj.DEFAULT_BANDWIDTHS,
+    alpha: float = proj.DEFAULT_ALPHA,
+) -> tuple[list[Curve], dict[str, float]]:
+    """Curves for ``p`` workers at each bandwidth, with step times from the α-β model.
+
+    The full-rank model computes ``compute_ms`` per step (the user's GPU time for one
+    worker's batch); every measured compute-side time (a factorized model's compute, a
+    hook's encode/decode) is scaled by the same factor ``compute_ms / measured full-rank
+    compute``, i.e. Pufferfish keeps the low-rank/full compute ratio measured here.
+    Communication is the model's, with no overlap. Weak scaling: each worker keeps the
+    runs' batch, so an epoch has ``N // p // batch`` steps, and accuracy per epoch is
+    assumed to stay that of the runs (an assumption at a larger global batch).
+    Returns the curves and ``{"scale", "lowrank_compute_ratio"}``.
+    """
+    by_method = {p.method: p for p in profiles}
+    base = by_method.get("ddp") or next(
+        (p for p in profiles if not hook_for(p.method)[0]), None)
+    if base is None or base.compute_time <= 0:
+        raise ValueError("the projection needs a measured full-rank method (e.g. ddp)")
+    scale = compute_ms / 1e3 / base.compute_time
+    factorized = [p.compute_time for p in profiles if hook_for(p.method)[0]]
+    info = {"scale": scale,
+            "lowrank_compute_ratio": (factorized[0] / base.compute_time) if factorized else math.nan}
+
+    def step_at(method: str, p: int, bw: float) -> StepTime | None:
+        prof = by_method.get(method)
+        if prof is None:
+            return None
+        gpu = proj.CommProfile(prof.method, prof.compute_time * scale, prof.compress_time * scale,
+                               prof.payload_bytes, prof.collectives, prof.kind)
+        return StepTime.exact(proj.step_time(gpu, p, bw, alpha))
+
+    curves: list[Curve] = []
+    for p in workers:
+        for bw in bandwidths:
+            regime = f"p={p}, {format_bps(bw)}"
+            for method, run in runs.items():
+                full, low = (step_at(m, p, bw) for m in phase_methods(method))
+                if full is None or low is None:
+                    continue
+                steps = steps_per_epoch(run.train_examples, run.batch_size, p)
+                curves.append(_curve(run, regime, steps, full, low))
+    return curves, info
+
+
+# -- targets -----------------------------------------------------------------------------------
+
+
+def target_table(
+    curves: Sequence[Curve], ddp_final: float, points: Sequence[float] = TARGET_POINTS
+) -> list[dict[str, Any]]:
+    """Per regime, method and target (``ddp_final`` minus ``points`` percentage points): the
+    epoch and seconds at which the curve first reaches it, with low/high seconds, and the
+    speed-up over DDP's curve in the same regime with its worst/best case (DDP's low time
+    over the method's high, DDP's high over the method's low)."""
+    table: list[dict[str, Any]] = []
+    for point in points:
+        target = ddp_final - point / 100
+        for regime in dict.fromkeys(c.regime for c in curves):
+            here = [c for c in curves if c.regime == regime]
+            reach = {c.method: _reach(c, target) for c in here}
+            ddp = reach.get("ddp")
+            for c in here:
+                row = {"regime": regime, "method": c.method, "points_below": point,
+                       "target_acc": target, "best_acc": max(c.accuracies),
+                       "step_times": c.step_times, **reach[c.method]}
+                row["speedup_vs_ddp"] = row["speedup_worst"] = row["speedup_best"] = None
+                if c.method == "ddp" and row["seconds"] is not None:  # itself, exactly
+                    row["speedup_vs_ddp"] = row["speedup_worst"] = row["speedup_best"] = 1.0
+                elif ddp and ddp["seconds"] is not None and row["seconds"] is not None:
+                    row["speedup_vs_ddp"] = ddp["seconds"] / row["seconds"]
+                    row["speedup_worst"] = ddp["seconds_low"] / row["seconds_high"]
+                    row["speedup_best"] = ddp["seconds_high"] / row["seconds_low"]
+                table.append(row)
+    return table
+
+
+def _reach(curve: Curve, target: float) -> dict[str, Any]:
+    epoch = next((i for i, a in enumerate(curve.accuracies) if a >= target), None)
+    if epoch is None:
+        return {"epoch": None, "seconds": None, "seconds_low": None, "seconds_high": None}
+    return {"epoch": epoch + 1, "seconds": curve.times[epoch],
+            "seconds_low": curve.low[epoch], "seconds_high": curve.high[epoch]}
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def _pivot(table: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], dict[float, Any]]:
+    """``{(regime, method): {points_below: row}}``, regimes and methods in table order."""
+    out: dict[tuple[str, str], dict[float, Any]] = {}
+    for row in table:
+        out.setdefault((row["regime"], row["method"]), {})[row["points_below"]] = row
+    return out
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def _reach_cells(row: Mapping[str, Any], ranges: bool) -> list[str]:
+    if row["seconds"] is None:
+        return [f"not reached (best {100 * row['best_acc']:.2f}%)", "-", "-"]
+    secs = _seconds(row["seconds"])
+    if ranges:
+        secs += f" [{_seconds(row['seconds_low'])}–{_seconds(row['seconds_high'])}]"
+    speed = "-"
+    if row["speedup_vs_ddp"] is not None:
+        speed = f"{row['speedup_vs_ddp']:.2f}x"
+        if ranges:
+            speed += f" [{row['speedup_worst']:.2f}–{row['speedup_best']:.2f}]"
+    return [str(row["epoch"]), secs, speed]
+
+
+def _table(table: Sequence[Mapping[str, Any]], points: Sequence[float], regime: str,
+           ranges: bool) -> list[str]:
+    head = [regime, "method", "step ms"]
+    for p in points:
+        head += [f"epoch at −{p:g}", f"s to −{p:g}", f"speed-up (−{p:g})"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (reg, method), by_point in _pivot(table).items():
+        steps = by_point[points[0]]["step_times"]
+        full, low = (f"{1e3 * steps[k]:.1f}" for k in ("full", "lowrank"))
+        cells = [reg, method, full if full == low else f"{full} → {low}"]
+        for p in points:
+            cells += _reach_cells(by_point[p], ranges)
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown(tta: Mapping[str, Any]) -> list[str]:
+    """The ``results.md`` sections of :func:`pufferfish.bench.runner`'s time to accuracy."""
+    points = tta["points_below"]
+    final = tta["ddp_final_acc"]
+    targets = ", ".join(f"{100 * (final - p / 100):.2f}% (−{p:g})" for p in points)
+    lines = [
+        "", "## Time to accuracy: accuracy of the training runs, time of the measured steps", "",
+        "Test accuracy per epoch comes from the `pufferfish train` runs below, trained once "
+        "(over loopback): accuracy per epoch does not depend on the link. Time at an epoch's end "
+        "= the sum over epochs so far of steps/epoch x the method's step time measured on the "
+        "link (median over rounds); a Pufferfish epoch steps at DDP's time while the run is "
+        "full-rank (warm-up) and at its own after the switch (the run's `lowrank` flag). "
+        f"Steps/epoch = ⌊N / {tta['workers']} workers⌋ / batch (the runs must have used "
+        f"{tta['workers']} processes). Evaluation and data loading are not counted. "
+        "step ms: median step time (a Pufferfish run's warm-up → after the switch). "
+        "[low–high]: every step time at its min / max over rounds; speed-up vs DDP [worst–best]: "
+        "DDP's low time over the method's high, and DDP's high over the method's low.", "",
+        "| method | run | epochs | final test acc |", "|---|---|---|---|",
+    ]
+    for method, run in tta["runs"].items():
+        done = f"{run['epochs']} of {run['epochs_planned']}"
+        if run["epochs"] < run["epochs_planned"]:
+            done += " (unfinished)"
+        lines.append(f"| {method} | `{run['path']}` | {done} | "
+                     f"{100 * run['final_test_acc']:.2f}% |")
+    lines += ["", f"Targets: DDP's final {100 * final:.2f}% minus 0.5 and 1 point: {targets}.",
+              "", *_table(tta["measured"]["table"], points, "link", ranges=True)]
+    pj = tta["projected"]
+    if pj:
+        lines += [
+            "", "## Time to accuracy, PROJECTED for "
+            + " and ".join(str(p) for p in pj["workers"]) + " workers", "",
+            f"Projected, not measured. Full-rank compute {pj['compute_ms']:g} ms per step "
+            "(`--compute-ms`, one worker's batch on the user's GPU); every compute-side time "
+            f"measured here (compute, hook encode/decode) is scaled by the same factor "
+            f"{pj['scale']:.3g}, so the factorized model keeps the low-rank/full compute ratio "
+            f"measured here ({pj['lowrank_compute_ratio']:.2f}); the MAC ratio would flatter "
+            "it, as small factorized layers do not run at full speed. Communication: the ring "
+            f"α-β model (α = {1e6 * pj['alpha']:g} µs), no overlap with backward (an upper "
+            "bound). Weak scaling: each worker keeps the runs' batch, so an epoch has "
+            "⌊N / p⌋ / batch steps, and accuracy per epoch is assumed to stay the runs' "
+            "(an assumption at the larger global batch).", "",
+            *_table(pj["table"], points, "regime", ranges=False),
+        ]
+    return lines
+
+
+def plot(tta: Mapping[str, Any], out: Path) -> list[Path]:
+    """``time_to_accuracy.png`` (a panel per link) and, when projected,
+    ``time_to_accuracy_projected.png`` (a panel per worker count and bandwidth)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    targets = [tta["ddp_final_acc"] - p / 100 for p in tta["points_below"]]
+    paths: list[Path] = []
+    for key, name, note in (
+        ("measured", "time_to_accuracy.png",
+         "accuracy per epoch: the loopback `pufferfish train` runs; time: epochs x steps/epoch "
+         "x step time measured by `pufferfish bench` on each link (median; bars: min–max)"),
+        ("projected", "time_to_accuracy_projected.png",
+         "PROJECTED: accuracy per epoch of the loopback runs; time from the α-β model at "
+         "--compute-ms per step"),
+    ):
+        part = tta[key]
+        if not part or not part["curves"]:
+            continue
+        curves = [Curve(**c) for c in part["curves"]]
+        regimes = list(dict.fromkeys(c.regime for c in curves))
+        ncols = len(regimes) if key == "measured" else len(part["bandwidths_bps"])
+        nrows = -(-len(regimes) // ncols)
+        fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.8 * nrows + 0.6),
+                                 squeeze=False, sharey=True, sharex=key == "measured")
+        accs = [a for c in curves for a in c.accuracies]
+        bottom = max(min(accs), min(targets) - 0.04)
+        for ax, regime in zip(axes.flat, regimes):
+            for c in (x for x in curves if x.regime == regime):
+                ys = [100 * a for a in c.accuracies]
+                run = tta["runs"][c.method]
+                label = c.method + ("" if run["epochs"] >= run["epochs_planned"] else
+                                    f" ({run['epochs']}/{run['epochs_planned']} epochs)")
+                xerr = [[t - lo for t, lo in zip(c.times, c.low)],
+                        [hi - t for t, hi in zip(c.times, c.high)]]
+                ax.errorbar(c.times, ys, xerr=xerr if c.low != c.high else None, marker=".",
+                            capsize=2, elinewidth=0.8, label=label)
+            for t, style in zip(targets, ("--", ":")):
+                ax.axhline(100 * t, color="grey", linestyle=style, linewidth=0.8)
+            ax.set(title=regime + (" (projected)" if key == "projected" else ""),
+                   xlabel="training wall-clock (s)", ylim=(100 * bottom, 100 * max(accs) + 0.3))
+            ax.grid(alpha=0.3)
+        for ax in axes[:, 0]:
+            ax.set_ylabel("test accuracy (%)")
+        axes.flat[0].legend(fontsize=8, title="dashed: DDP final −0.5, dotted: −1",
+                            title_fontsize=7)
+        fig.text(0.5, 0.01, note, ha="center", fontsize=8)
+        fig.tight_layout(rect=(0, 0.04, 1, 1))
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths
