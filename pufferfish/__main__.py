@@ -1,5 +1,17 @@
-import sys
+"""``python -m pufferfish`` (and the ``pufferfish`` console script): the CLI as a process.
+
+The exit goes through :func:`pufferfish.distributed.env.exit_process`: after a distributed run
+that failed, gloo may still have work in flight that a normal interpreter shutdown would turn
+into an abort (SIGABRT) instead of the command's exit status.
+"""
 
 from .cli import main
+from .distributed.env import exit_process
 
-sys.exit(main())
+
+def run() -> None:
+    exit_process(main())
+
+
+if __name__ == "__main__":
+    run()
