@@ -5,12 +5,19 @@ that failed, gloo may still have work in flight that a normal interpreter shutdo
 into an abort (SIGABRT) instead of the command's exit status.
 """
 
+import traceback
+
 from .cli import main
 from .distributed.env import exit_process
 
 
 def run() -> None:
-    exit_process(main())
+    try:
+        status = main()
+    except Exception:  # --debug lets errors through: Python's traceback and exit status
+        traceback.print_exc()
+        status = 1
+    exit_process(status)
 
 
 if __name__ == "__main__":
