@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from pufferfish.distributed.env import cleanup
 from pufferfish.distributed.hooks import (
     HOOK_NAMES,
     CommHookState,
@@ -221,6 +222,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         world_size=WORLD,
         timeout=timedelta(seconds=30),
     )
+    finished = False
     try:
         results: dict[str, Any] = {
             "train": {name: _train_run(name, rank) for name in HOOK_NAMES},
@@ -233,8 +235,9 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             "resume": {name: _resume(name, rank) for name in ("powersgd", "signum", "topk")},
         }
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        finished = True
     finally:
-        dist.destroy_process_group()
+        cleanup(drain=finished)  # a bare destroy_process_group let rank 1 abort at exit under load
 
 
 # --------------------------------------------------------------------------- parent side

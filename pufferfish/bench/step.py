@@ -41,14 +41,12 @@ Fashion-MNIST minibatches, prepared before timing so data loading is never timed
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import datetime
 import gc
 import inspect
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -59,6 +57,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from ..distributed.env import cleanup, exit_process
 
 __all__ = ["METHODS", "PUFFERFISH_RANK_RATIO", "hook_for", "main", "method_options"]
 
@@ -308,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    finished = False
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         minibatches = _batches(args, rank, world, args.warmup + args.compute_steps + args.steps)
@@ -322,15 +323,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tmp = Path(args.out + ".tmp")
                 tmp.write_text(json.dumps(records, indent=1))
                 tmp.replace(args.out)
+        finished = True
     finally:
-        # Let every rank finish its last collective before the group goes away: tearing gloo down
-        # with work in flight on a peer aborts that peer ("terminate called without an active
-        # exception"), which cost two of 21 groups of one benchmark run.
-        with contextlib.suppress(RuntimeError):
-            dist.barrier()
-        dist.destroy_process_group()
+        # Drained teardown: without it, gloo threads still releasing the comm hook's callbacks
+        # met the interpreter's shutdown and aborted a worker (SIGABRT) in 2 of 21 groups of one
+        # benchmark run; see pufferfish.distributed.env.cleanup.
+        cleanup(drain=finished)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -8,21 +8,23 @@ without DDP, through the same training loop.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import os
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["DistEnv", "all_reduce_sum", "broadcast_object", "cleanup", "ddp_options", "gather_object",
-           "rebuild_ddp_in_place", "rewrap_ddp", "say", "setup", "wrap_ddp"]
+__all__ = ["DistEnv", "all_reduce_sum", "broadcast_object", "cleanup", "ddp_options", "exit_process",
+           "gather_object", "rebuild_ddp_in_place", "rewrap_ddp", "say", "setup", "wrap_ddp"]
 
 
 @dataclass(frozen=True)
@@ -95,9 +97,61 @@ def _attempt_store(rank: int, world_size: int,
     return dist.PrefixStore(f"pufferfish/attempt_{restart}", store)
 
 
-def cleanup() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+# Set when a process group was torn down without draining its communication (see cleanup).
+_undrained = False
+
+
+def cleanup(drain: bool = True) -> None:
+    """Tear down the process group so that none of its communication outlives it.
+
+    Why: gloo runs every collective on its own worker threads, and the Python callbacks that the
+    comm hooks chain onto a collective's future (``fut.then(...)``) run *and are released* there,
+    each release taking the GIL. A worker thread is still busy with that for a moment after the
+    future has woken the main thread, longer when the machine is loaded, and for as long as the
+    collective is pending. If the interpreter starts shutting down meanwhile, Python ends the
+    thread inside ``take_gil`` with ``pthread_exit``; its unwinding reaches torch's ``noexcept``
+    ``~PythonFunctionGuard`` and ``std::terminate`` aborts the process: "terminate called without
+    an active exception", SIGABRT, exit status 134, after a run that had succeeded.
+    ``destroy_process_group`` alone neither waits for that nor stops the threads: once a DDP
+    wrapper has been built, gloo's threads stay alive after it (torch keeps a reference).
+
+    ``drain=True`` (every rank finished the same work): a barrier first. gloo starts a barrier
+    only after every collective this rank launched before it has finished, callbacks and their
+    release included, and it returns only when every rank got there, so no rank tears down while
+    a peer still sends to it. Only then is the group destroyed.
+
+    ``drain=False`` (an exception, possibly a lost peer): no barrier, since a peer that is gone or
+    busy elsewhere would leave it hanging or mismatched. gloo can neither finish nor cancel work
+    still in flight to a lost peer, so the process must not shut its interpreter down normally
+    afterwards: leave it with :func:`exit_process`. A barrier that fails counts as the same case.
+    """
+    global _undrained
+    if not dist.is_initialized():
+        return
+    if drain:
+        try:
+            dist.barrier()
+        except RuntimeError:  # a peer vanished after the end, or a collective before failed
+            drain = False
+    dist.destroy_process_group()
+    _undrained = _undrained or not drain
+
+
+def exit_process(status: int) -> NoReturn:
+    """End the process with ``status``; without interpreter shutdown if communication may remain.
+
+    After :func:`cleanup` could not drain the group (``drain=False`` or a failed barrier), a gloo
+    thread may still be waiting on a lost peer and run Python callbacks later, which aborts a
+    shutting-down interpreter (see :func:`cleanup`). Then the process flushes its output and
+    leaves with ``os._exit``: no ``atexit`` handlers, no module teardown, and no abort. Otherwise
+    this is ``sys.exit(status)``. Call it only at a process's entry point, never from a library.
+    """
+    if _undrained:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(AttributeError, OSError, ValueError):  # gone, closed, broken
+                stream.flush()
+        os._exit(status)
+    sys.exit(status)
 
 
 def wrap_ddp(model: nn.Module, env: DistEnv) -> nn.Module:

@@ -89,6 +89,8 @@ def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]
 
     ``method`` defaults to the one registered for ``cfg.mode``. In a process group, a failure of
     the group itself (a peer crashed, froze, or never came) is raised as :class:`PeerError`.
+    The group is gone when this returns (drained first) or raises (not drained: end the process
+    with :func:`pufferfish.distributed.env.exit_process`, as ``python -m pufferfish`` does).
     """
     method = method if method is not None else build_method(cfg)
     try:
@@ -98,8 +100,11 @@ def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]
             raise
         raise PeerError(f"could not form the process group of {os.environ.get('WORLD_SIZE')} "
                         f"processes within --timeout-s {cfg.timeout_s:g}: {_gloo_text(e)}") from e
+    finished = False  # every rank ran to the end: the group can be drained (see cleanup)
     try:
-        return _train(cfg, env, method)
+        rows = _train(cfg, env, method)
+        finished = True
+        return rows
     except RuntimeError as e:
         if not env.distributed or isinstance(e, TrainingError | ckpt.CheckpointError) \
                 or not _is_peer_failure(e):
@@ -107,7 +112,7 @@ def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]
         raise PeerError(f"rank {env.rank} lost contact with the other processes ({_gloo_text(e)}); "
                         "a peer crashed, was killed or froze: see its log") from e
     finally:
-        dist_env.cleanup()
+        dist_env.cleanup(drain=finished)
 
 
 def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any]]:
