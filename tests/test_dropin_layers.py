@@ -143,6 +143,20 @@ def test_weight_and_attributes_look_dense() -> None:
     assert (low.nf, low.nx) == (9, 5)
 
 
+def test_lstm_gate_weights_look_dense() -> None:
+    dense = nn.LSTM(6, 5, num_layers=2)
+    low = pf.LowRankLSTM.from_dense(dense, pf.LowRankLSTM.full_rank(dense))  # exact at full rank
+    for k in range(2):
+        for kind in ("ih", "hh"):
+            name = f"weight_{kind}_l{k}"
+            torch.testing.assert_close(getattr(low, name), getattr(dense, name), rtol=1e-4, atol=1e-5)
+    assert [[t.shape for t in layer] for layer in low.all_weights] == [
+        [t.shape for t in layer] for layer in dense.all_weights]
+    assert not any(k.startswith("weight_") for k in low.state_dict())
+    with pytest.raises(AttributeError):
+        low.weight_ih_l2  # noqa: B018 - no third layer
+
+
 def test_extra_bn_weight_is_the_folded_one() -> None:
     low = LowRankConv2d.from_dense(nn.Conv2d(4, 8, 3, bias=False), 3, extra_bn=True)
     low.train()

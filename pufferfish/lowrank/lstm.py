@@ -141,6 +141,27 @@ class LowRankLSTM(LowRankModule):
             output = output.transpose(0, 1)
         return output, (h_n, c_n)
 
+    def __getattr__(self, name: str) -> torch.Tensor | nn.Module:
+        """``weight_{ih,hh}_l{k}`` as ``nn.LSTM`` names them: the merged ``u @ v`` (read-only).
+
+        Code that reads an LSTM's gate weights (shape checks, norms, export) sees what the dense
+        layer would have; they are not parameters, so optimizers, DDP and ``state_dict`` see only
+        the factors.
+        """
+        if name.startswith("weight_") and name[7:] in self._suffixes():
+            return super().__getattr__(f"u_{name[7:]}") @ super().__getattr__(f"v_{name[7:]}")
+        return super().__getattr__(name)
+
+    def _suffixes(self) -> list[str]:
+        return [suffix for suffix, _, _ in _matrices(self.input_size, self.hidden_size,
+                                                     self.num_layers)]
+
+    @property
+    def all_weights(self) -> list[list[torch.Tensor]]:
+        """``nn.LSTM.all_weights``: per layer ``[w_ih, w_hh, b_ih, b_hh]`` (merged weights)."""
+        names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh") if self.bias else ("weight_ih", "weight_hh")
+        return [[getattr(self, f"{n}_l{k}") for n in names] for k in range(self.num_layers)]
+
     def _fused(self, input: torch.Tensor, hx: tuple[torch.Tensor, torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # The kernel nn.LSTM.forward calls, with nn.LSTM's weight order (w_ih, w_hh, b_ih, b_hh
