@@ -64,6 +64,7 @@ from .registry import (
     make_comm_hook,
     register_comm_hook,
     register_hook_family,
+    with_option_fields,
 )
 from .signum import SignumState, signum_hook
 from .state import CommHookState
@@ -97,6 +98,7 @@ __all__ = [
     "topk_count",
     "topk_hook",
     "unpack_bits",
+    "with_option_fields",
 ]
 
 # The built-in hooks; :func:`hook_names` also lists families registered later.

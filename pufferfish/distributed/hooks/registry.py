@@ -70,12 +70,15 @@ class HookFamily:
     """A comm hook as the registry knows it: ``hook(state, bucket) -> Future[Tensor]``.
 
     ``state_class(process_group=..., **{o.argument: value for o in options})`` builds its state.
+    ``collective`` is how the payload travels, ``"allreduce"`` or ``"allgather"`` (whose
+    per-rank traffic grows with the world size; the bench's projection needs to know).
     """
 
     name: str
     state_class: type[CommHookState]
     hook: CommHook
     options: tuple[HookOption, ...] = ()
+    collective: str = "allreduce"
 
 
 _FAMILIES: dict[str, HookFamily] = {}
@@ -86,6 +89,9 @@ def register_hook_family(family: HookFamily) -> HookFamily:
     if not (isinstance(family.state_class, type) and issubclass(family.state_class, CommHookState)):
         raise TypeError(f"comm hook {family.name!r}: state_class must subclass CommHookState, "
                         f"got {family.state_class!r}")
+    if family.collective not in ("allreduce", "allgather"):
+        raise ValueError(f"comm hook {family.name!r}: collective {family.collective!r} is "
+                         "invalid: allowed allreduce, allgather")
     if family.name in _FAMILIES and _FAMILIES[family.name] is not family:
         raise ValueError(f"comm hook {family.name!r} is already registered")
     taken = {o.key: f.name for f in _FAMILIES.values() if f.name != family.name for o in f.options}
@@ -122,9 +128,11 @@ def hook_options(name: str, settings: Any) -> dict[str, Any]:
     """State keyword arguments of hook ``name`` read from flat settings.
 
     ``settings`` is anything with the options' keys as attributes: a ``TrainConfig``, the
-    bench's config or its parsed flags (``settings.topk_ratio`` -> ``{"ratio": ...}``).
+    bench's config or its parsed flags (``settings.topk_ratio`` -> ``{"ratio": ...}``). An
+    option ``settings`` lacks (a family registered after ``TrainConfig`` was built) takes its
+    default.
     """
-    return {o.argument: getattr(settings, o.key) for o in hook_family(name).options}
+    return {o.argument: getattr(settings, o.key, o.default) for o in hook_family(name).options}
 
 
 def make_comm_hook(

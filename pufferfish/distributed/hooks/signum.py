@@ -106,4 +106,6 @@ def signum_hook(state: SignumState, bucket: dist.GradBucket) -> torch.futures.Fu
     return with_hook_time(state.stats, fut.then(decode), t_start)
 
 
-register_hook_family(HookFamily("signum", SignumState, signum_hook, options=(BETA,)))
+register_hook_family(
+    HookFamily("signum", SignumState, signum_hook, options=(BETA,), collective="allgather")
+)

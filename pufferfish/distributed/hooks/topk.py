@@ -129,4 +129,6 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     return with_hook_time(state.stats, fut.then(decode), t_start)
 
 
-register_hook_family(HookFamily("topk", TopKState, topk_hook, options=(RATIO,)))
+register_hook_family(
+    HookFamily("topk", TopKState, topk_hook, options=(RATIO,), collective="allgather")
+)
