@@ -2,23 +2,31 @@
 offers hooks (make_comm_hook, the training config, the bench) reads the registry; each state class
 rejects a bad setting with a one-line message naming the value and what is allowed.
 
-No process group is needed here: the hooks' behaviour in DDP is tested in test_comm_hooks.py.
+The example family also runs by name in a real 2-process gloo group; the built-in hooks' behaviour
+in DDP is tested in test_comm_hooks.py.
 """
 
 # NOTE: no ``from __future__ import annotations``: DDP checks a hook's annotations as objects.
 
+import copy
+from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pufferfish.bench.projection import ALLGATHER_METHODS
 from pufferfish.bench.runner import BenchConfig
 from pufferfish.bench.step import METHODS
 from pufferfish.config import FIELDS, ConfigError, TrainConfig, field_kind, load_config
+from pufferfish.distributed.env import cleanup
 from pufferfish.distributed.hooks import (
     HOOK_NAMES,
     CommHookState,
@@ -31,6 +39,7 @@ from pufferfish.distributed.hooks import (
     hook_names,
     hook_options,
     make_comm_hook,
+    register_comm_hook,
     register_hook_family,
     registry,
 )
@@ -71,7 +80,46 @@ def _register_clipped() -> HookFamily:
     return register_hook_family(HookFamily("clipped", ClippedState, clipped_hook, options=(LIMIT,)))
 
 
+def _clipped_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """One backward through DDP with the example hook, registered by name, vs the clipped mean."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30))
+    finished = False
+    try:
+        _register_clipped()  # what importing the hook's file does
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        reference = copy.deepcopy(model)
+        ddp = DDP(model)
+        state = register_comm_hook(ddp, "clipped", limit=0.5)
+        x = torch.full((2, 4), float(rank + 1))
+        ddp(x).pow(2).sum().backward()
+        reference(x).pow(2).sum().backward()
+        means = [p.grad.clone() for p in reference.parameters()]
+        for g in means:
+            dist.all_reduce(g)
+            g.div_(2)
+        gap = max((p.grad - g.clamp(-0.5, 0.5)).abs().max().item()
+                  for p, g in zip(model.parameters(), means))
+        result = {"gap": gap, "largest_mean": max(g.abs().max().item() for g in means),
+                  "state": type(state).__name__}
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        finished = True
+    finally:
+        cleanup(drain=finished)
+
+
 # --- tests ------------------------------------------------------------------------------------
+
+
+def test_the_example_hook_runs_by_name_in_a_real_group(tmp_path: Path) -> None:
+    mp.spawn(_clipped_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert result["state"] == "ClippedState"
+        assert result["largest_mean"] > 0.5  # the clipping did something
+        assert result["gap"] < 1e-5  # (a + b) / 2 vs a / 2 + b / 2: rounding only
 
 
 def test_a_hook_registered_in_one_file_is_offered_by_name(clean_registry: None) -> None:
