@@ -15,13 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
+from .distributed.hooks import all_hook_options, hook_names, with_option_fields
+
 __all__ = ["ConfigError", "TrainConfig", "dump_toml", "load_config"]
 
 MODELS = ("resnet18", "vgg19_bn", "lstm", "transformer")
 MODES = ("full", "pufferfish", "lowrank", "lth", "prune")
-COMMS = ("allreduce", "fp16", "powersgd", "signum", "topk")
 SCHEDULES = ("multistep", "cosine", "constant")
 NONFINITE = ("stop", "skip")
+# The comm hooks' options (powersgd_rank, topk_ratio, ...) are fields placed after ``comm``,
+# with their defaults and allowed values from the hook registry (pufferfish.distributed.hooks).
+HOOK_OPTIONS = all_hook_options()
 
 
 class ConfigError(ValueError):
@@ -29,6 +33,7 @@ class ConfigError(ValueError):
 
 
 @dataclass
+@with_option_fields(after="comm", options=HOOK_OPTIONS)
 class TrainConfig:
     # What to train
     model: str = "resnet18"  # resnet18, vgg19_bn, lstm, transformer
@@ -83,11 +88,8 @@ class TrainConfig:
     dropout: float = 0.65
     # Distributed
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU), gloo, nccl
-    comm: str = "allreduce"  # allreduce, fp16, powersgd, signum, topk
-    powersgd_rank: int = 4
-    powersgd_start_iter: int = 10
-    topk_ratio: float = 0.01
-    signum_beta: float = 0.9
+    comm: str = "allreduce"  # a registered comm hook: allreduce, fp16, powersgd, signum, topk
+    # ... then one field per comm-hook option (see HOOK_OPTIONS)
     timeout_s: float = 300.0  # process-group timeout: a vanished peer is an error after this
     # Run directory and checkpoints
     out: str = ""  # run directory (empty: runs/<model>-<mode>)
@@ -106,7 +108,7 @@ class TrainConfig:
     def validate(self) -> None:
         _choice("model", self.model, MODELS)
         _choice("mode", self.mode, MODES)
-        _choice("comm", self.comm, COMMS)
+        _choice("comm", self.comm, hook_names())
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("backend", self.backend, ("auto", "gloo", "nccl"))
         _choice("nonfinite", self.nonfinite, NONFINITE)
@@ -117,9 +119,8 @@ class TrainConfig:
         _positive("lr", self.lr)
         _positive("bptt", self.bptt)
         _positive("timeout_s", self.timeout_s)
-        _positive("powersgd_rank", self.powersgd_rank)
         for name in ("max_vocab", "train_subset", "test_subset", "keep_first", "checkpoint_every_epochs",
-                     "checkpoint_every_steps", "threads", "powersgd_start_iter",
+                     "checkpoint_every_steps", "threads",
                      "stable_rank_every_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
@@ -130,10 +131,11 @@ class TrainConfig:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"dropout {self.dropout!r} is invalid: allowed 0 <= dropout < 1")
-        if not 0 < self.topk_ratio <= 1:
-            raise ConfigError(f"topk_ratio {self.topk_ratio!r} is invalid: allowed 0 < ratio <= 1")
-        if not 0 <= self.signum_beta < 1:
-            raise ConfigError(f"signum_beta {self.signum_beta!r} is invalid: allowed 0 <= beta < 1")
+        for option in HOOK_OPTIONS:
+            try:
+                option.check(getattr(self, option.key))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.warmup_epochs != "auto":
             w = _int("warmup_epochs", self.warmup_epochs, "an integer >= 0 or 'auto'")
             if self.mode == "pufferfish" and not 0 <= w < self.epochs:

@@ -35,6 +35,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from ..distributed.hooks import hook_family
+from .step import METHODS
+
 __all__ = [
     "ALLGATHER_METHODS",
     "DEFAULT_ALPHA",
@@ -51,7 +54,10 @@ __all__ = [
 DEFAULT_ALPHA = 50e-6  # s per message: a typical TCP/Ethernet latency in a data center
 DEFAULT_WORKERS: tuple[int, ...] = (8, 16, 64)
 DEFAULT_BANDWIDTHS: tuple[float, ...] = (1e9, 10e9, 100e9)  # bits/s
-ALLGATHER_METHODS = frozenset({"signum", "topk"})
+# Methods whose hook sends its payload with an all-gather (the hook registry says which).
+ALLGATHER_METHODS = frozenset(
+    method for method, (_, hook) in METHODS.items() if hook_family(hook).collective == "allgather"
+)
 
 Kind = Literal["allreduce", "allgather"]
 

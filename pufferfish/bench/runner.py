@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..distributed.hooks import with_option_fields
 from . import accuracy as acc
 from . import projection as proj
 from .accuracy import time_to_accuracy
@@ -71,7 +72,7 @@ from .netns import (
     run_workers,
 )
 from .rounds import compute_check, round_plan, summarize
-from .step import METHODS, hook_for
+from .step import HOOK_DEFAULTS, HOOK_OPTIONS, METHODS, hook_for
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -94,6 +95,7 @@ Log = Callable[[str], None]
 
 
 @dataclass
+@with_option_fields(after="batch_size", defaults=HOOK_DEFAULTS, options=HOOK_OPTIONS)
 class BenchConfig:
     """Everything ``pufferfish bench`` needs; :meth:`validate` gives one-line errors."""
 
@@ -106,10 +108,7 @@ class BenchConfig:
     warmup: int = 3
     compute_steps: int = 5
     batch_size: int = 128
-    powersgd_rank: int = 4
-    powersgd_start_iter: int = 2
-    topk_ratio: float = 0.01
-    signum_beta: float = 0.9
+    # ... then one field per comm-hook option: powersgd_rank, powersgd_start_iter, ...
     threads: int = 0  # 0: cores // workers
     data_dir: str = ""
     rounds: int = 3
@@ -153,7 +152,9 @@ class BenchConfig:
                 f"--workers {self.workers}: an emulated link connects exactly 2 workers; "
                 "use --workers 2, or --bandwidth loopback for more workers"
             )
-        for name in ("steps", "compute_steps", "batch_size", "powersgd_rank", "epochs", "rounds"):
+        for option in HOOK_OPTIONS:
+            option.check(getattr(self, option.key))
+        for name in ("steps", "compute_steps", "batch_size", "epochs", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 1")
         if self.width <= 0:
@@ -168,10 +169,6 @@ class BenchConfig:
                 f"warmup {self.warmup} is invalid: allowed >= powersgd_start_iter "
                 f"({self.powersgd_start_iter}), so that timed PowerSGD steps compress"
             )
-        if not 0 < self.topk_ratio <= 1:
-            raise ValueError(f"topk_ratio {self.topk_ratio!r} is invalid: allowed 0 < ratio <= 1")
-        if not 0 <= self.signum_beta < 1:
-            raise ValueError(f"signum_beta {self.signum_beta!r} is invalid: allowed 0 <= beta < 1")
         for name in ("threads", "train_subset", "test_subset", "warmup_epochs", "alpha", "timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
@@ -247,10 +244,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--compute-steps", type=int, default=d.compute_steps,
                     help="timed steps under ddp.no_sync() (compute only)")
     ap.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker")
-    ap.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
-    ap.add_argument("--powersgd-start-iter", type=int, default=d.powersgd_start_iter)
-    ap.add_argument("--topk-ratio", type=float, default=d.topk_ratio)
-    ap.add_argument("--signum-beta", type=float, default=d.signum_beta)
+    for option in HOOK_OPTIONS:
+        ap.add_argument("--" + option.key.replace("_", "-"), type=option.kind,
+                        default=getattr(d, option.key), help=option.help)
     ap.add_argument("--threads", type=int, default=d.threads,
                     help="torch threads per worker (0: cores // workers)")
     ap.add_argument("--data-dir", default=d.data_dir, help="Fashion-MNIST directory")
@@ -298,8 +294,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         bandwidths=[b.strip() for b in args.bandwidth.split(",") if b.strip()],
         workers=args.workers, steps=args.steps, warmup=args.warmup,
         compute_steps=args.compute_steps, batch_size=args.batch_size,
-        powersgd_rank=args.powersgd_rank, powersgd_start_iter=args.powersgd_start_iter,
-        topk_ratio=args.topk_ratio, signum_beta=args.signum_beta, threads=args.threads,
+        **{option.key: getattr(args, option.key) for option in HOOK_OPTIONS},
+        threads=args.threads,
         data_dir=args.data_dir, alpha=args.alpha_us * 1e-6, probe=args.probe,
         timeout=args.timeout, out=args.out, train=args.train, epochs=args.epochs,
         warmup_epochs=args.warmup_epochs, train_subset=args.train_subset,
@@ -315,8 +311,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 # Settings that describe a measurement, taken from the results when reused.
 _MEASURED = ("model", "width", "methods", "bandwidths", "workers", "steps", "warmup",
-             "compute_steps", "batch_size", "powersgd_rank", "powersgd_start_iter", "topk_ratio",
-             "signum_beta", "threads", "rounds")
+             "compute_steps", "batch_size", *(option.key for option in HOOK_OPTIONS), "threads",
+             "rounds")
 
 
 def _results_path(path: str) -> Path:
@@ -391,14 +387,19 @@ def _worker_error(results: list[subprocess.CompletedProcess[str]]) -> str | None
     return None
 
 
+def _hook_flags(cfg: BenchConfig) -> list[str]:
+    """``--powersgd-rank 4 --topk-ratio 0.01 ...``: every hook option, as the bench has it
+    (the same flags for ``pufferfish.bench.step`` and ``pufferfish train``)."""
+    return [arg for option in HOOK_OPTIONS
+            for arg in ("--" + option.key.replace("_", "-"), str(getattr(cfg, option.key)))]
+
+
 def _step_argv(cfg: BenchConfig, methods: list[str], out: Path, cache: Path) -> list[str]:
     argv = [
         sys.executable, "-m", "pufferfish.bench.step", "--methods", ",".join(methods),
         "--model", cfg.model, "--width", str(cfg.width), "--batch-size", str(cfg.batch_size),
         "--steps", str(cfg.steps), "--warmup", str(cfg.warmup),
-        "--compute-steps", str(cfg.compute_steps), "--powersgd-rank", str(cfg.powersgd_rank),
-        "--powersgd-start-iter", str(cfg.powersgd_start_iter),
-        "--topk-ratio", str(cfg.topk_ratio), "--signum-beta", str(cfg.signum_beta),
+        "--compute-steps", str(cfg.compute_steps), *_hook_flags(cfg),
         "--threads", str(cfg.worker_threads()), "--cache-dir", str(cache), "--out", str(out),
     ]  # fmt: skip
     if cfg.data_dir:
@@ -822,9 +823,7 @@ def _train_argv(cfg: BenchConfig, method: str, run_dir: Path) -> list[str]:
         "--mode", "pufferfish" if factorized else "full", "--comm", hook,
         "--epochs", str(cfg.epochs), "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr),
         "--train-subset", str(cfg.train_subset), "--test-subset", str(cfg.test_subset),
-        "--powersgd-rank", str(cfg.powersgd_rank),
-        "--powersgd-start-iter", str(cfg.powersgd_start_iter),
-        "--topk-ratio", str(cfg.topk_ratio), "--signum-beta", str(cfg.signum_beta),
+        *_hook_flags(cfg),
         "--threads", str(cfg.worker_threads()), "--checkpoint-every-epochs", str(cfg.epochs),
         "--no-progress", "--out", str(run_dir), "--overwrite",  # a previous bench's run
     ]  # fmt: skip

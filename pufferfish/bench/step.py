@@ -59,19 +59,23 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..distributed.env import cleanup, exit_process
+from ..distributed.hooks import all_hook_options, hook_names, hook_options
 
-__all__ = ["METHODS", "PUFFERFISH_RANK_RATIO", "hook_for", "main", "method_options"]
+__all__ = ["HOOK_DEFAULTS", "HOOK_OPTIONS", "METHODS", "PUFFERFISH_RANK_RATIO", "hook_for", "main",
+           "method_options"]
 
-# method -> (factorize the model?, comm hook)
+# method -> (factorize the model?, comm hook): plain DDP, every registered comm hook, Pufferfish
+# with plain all-reduce and with PowerSGD.
 METHODS: dict[str, tuple[bool, str]] = {
     "ddp": (False, "allreduce"),
-    "fp16": (False, "fp16"),
-    "powersgd": (False, "powersgd"),
-    "signum": (False, "signum"),
-    "topk": (False, "topk"),
+    **{hook: (False, hook) for hook in hook_names() if hook != "allreduce"},
     "pufferfish": (True, "allreduce"),
     "pufferfish+powersgd": (True, "powersgd"),
 }
+# The hooks' options (flags --powersgd-rank, --topk-ratio, ...) and where the bench's defaults
+# differ from training's: PowerSGD compresses from step 2, so that the timed steps compress.
+HOOK_OPTIONS = all_hook_options()
+HOOK_DEFAULTS: dict[str, Any] = {"powersgd_start_iter": 2}
 PUFFERFISH_RANK_RATIO = 0.25  # the paper's ratio, with the model's "paper" preset
 
 # No BatchNorm-statistics broadcast in forward (see the module docstring); newer torch
@@ -93,16 +97,7 @@ def hook_for(method: str) -> tuple[bool, str]:
 
 def method_options(hook: str, args: argparse.Namespace) -> dict[str, Any]:
     """Hyperparameters of ``hook`` from the command line (the hooks' own names)."""
-    if hook == "powersgd":
-        return {
-            "matrix_approximation_rank": args.powersgd_rank,
-            "start_powerSGD_iter": args.powersgd_start_iter,
-        }
-    if hook == "topk":
-        return {"ratio": args.topk_ratio}
-    if hook == "signum":
-        return {"beta": args.signum_beta}
-    return {}
+    return hook_options(hook, args)
 
 
 def _method_list(text: str) -> list[str]:
@@ -125,10 +120,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compute-steps", type=int, default=5)
-    ap.add_argument("--powersgd-rank", type=int, default=4)
-    ap.add_argument("--powersgd-start-iter", type=int, default=2)
-    ap.add_argument("--topk-ratio", type=float, default=0.01)
-    ap.add_argument("--signum-beta", type=float, default=0.9)
+    for option in HOOK_OPTIONS:
+        ap.add_argument("--" + option.key.replace("_", "-"), type=option.kind,
+                        default=HOOK_DEFAULTS.get(option.key, option.default))
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data-dir", default=None)

@@ -226,17 +226,9 @@ def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv) -> RunState:
 def _register_hook(cfg: TrainConfig, wrapped: nn.Module, env: DistEnv) -> Any:
     if not env.distributed:
         return None
-    from ..distributed.hooks import register_comm_hook
+    from ..distributed.hooks import hook_options, register_comm_hook
 
-    options: dict[str, Any] = {}
-    if cfg.comm == "powersgd":
-        options = dict(matrix_approximation_rank=cfg.powersgd_rank,
-                       start_powerSGD_iter=cfg.powersgd_start_iter)
-    elif cfg.comm == "topk":
-        options = dict(ratio=cfg.topk_ratio)
-    elif cfg.comm == "signum":
-        options = dict(beta=cfg.signum_beta)
-    return register_comm_hook(wrapped, cfg.comm, **options)
+    return register_comm_hook(wrapped, cfg.comm, **hook_options(cfg.comm, cfg))
 
 
 def _rebuild(cfg: TrainConfig, state: RunState, env: DistEnv, change: Change,
