@@ -35,7 +35,6 @@ Typical use::
 from __future__ import annotations
 
 import copy
-import fnmatch
 import math
 import statistics
 import time
@@ -49,6 +48,7 @@ from torch import nn
 from .lowrank import LowRankLSTM
 from .lowrank.base import LowRankModule, low_rank_class_for
 from .lowrank.factorize import call_with_example, factorizable_modules
+from .lowrank.selection import ModuleIndex, as_patterns, first_match, resolve_rank
 from .lowrank.svd import rank_from_ratio
 
 __all__ = [
@@ -132,23 +132,13 @@ def layer_stable_rank(module: nn.Module) -> float:
     return sum(stable_rank(m) for m in matrices) / len(matrices)
 
 
-def _aliases(model: nn.Module) -> dict[int, list[str]]:
-    names: dict[int, list[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        names.setdefault(id(module), []).append(name)
-    return names
-
-
 def _without_kept(model: nn.Module, keep: Iterable[str]) -> dict[str, nn.Module]:
     """``factorizable_modules`` minus those any of whose names matches a ``keep`` pattern."""
-    keep = [keep] if isinstance(keep, str) else list(keep)
-    aliases = _aliases(model)
-    every_name = [n for names in aliases.values() for n in names]
-    for pattern in keep:
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in every_name):
-            raise ValueError(f"pattern {pattern!r} matches no module of {type(model).__name__}")
+    keep = as_patterns(keep)
+    index = ModuleIndex(model)
+    index.check(keep)
     return {name: m for name, m in factorizable_modules(model).items()
-            if not any(fnmatch.fnmatchcase(n, p) for n in aliases[id(m)] for p in keep)}
+            if index.first_match(m, keep) is None}
 
 
 class StableRankTracker:
@@ -374,11 +364,10 @@ def choose_ranks(
         raise ValueError(f"energy {energy!r} is out of range: allowed 0 < energy <= 1")
     if max_ratio is not None and not (isinstance(max_ratio, int | float) and 0 < max_ratio <= 1):
         raise ValueError(f"max_ratio {max_ratio!r} is out of range: allowed 0 < max_ratio <= 1")
-    keep = [keep] if isinstance(keep, str) else list(keep)
+    keep = as_patterns(keep)
     if isinstance(model_or_tracker, StableRankTracker):
         tracker = model_or_tracker
-        modules = {n: m for n, m in tracker.modules.items()
-                   if not any(fnmatch.fnmatchcase(n, p) for p in keep)}
+        modules = {n: m for n, m in tracker.modules.items() if first_match([n], keep) is None}
         init = tracker.initial if initial is None else initial
     else:
         modules = _without_kept(model_or_tracker, keep)
@@ -480,15 +469,11 @@ def profile_keep(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats {repeats!r} is out of range: allowed an integer >= 1")
     modules = factorizable_modules(model)
-    aliases = _aliases(model)
-    every_name = [n for names in aliases.values() for n in names]
-    for pattern in ranks:
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in every_name):
-            raise ValueError(f"pattern {pattern!r} matches no module of {type(model).__name__}")
+    index = ModuleIndex(model)
+    index.check(ranks)
     chosen: dict[str, tuple[nn.Module, int | float]] = {}
     for name, module in modules.items():
-        hit = next((p for p in ranks if any(fnmatch.fnmatchcase(n, p) for n in aliases[id(module)])),
-                   None)
+        hit = index.first_match(module, ranks)
         if hit is not None:
             chosen[name] = (module, ranks[hit])
 
@@ -500,7 +485,7 @@ def profile_keep(
         cls = low_rank_class_for(module)
         assert cls is not None
         full = cls.full_rank(module)
-        r = min(full, value) if isinstance(value, int) else rank_from_ratio(full, value)
+        r = resolve_rank(value, full)
         before = sum(p.numel() for p in module.parameters())
         after = cls.params_at_rank(module, r, extra_bn=extra_bn)
         share = (before - after) / max(1, total)
