@@ -45,7 +45,6 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .lowrank import LowRankLSTM
 from .lowrank.base import LowRankModule, low_rank_class_for
 from .lowrank.factorize import call_with_example, factorizable_modules
 from .lowrank.selection import ModuleIndex, as_patterns, first_match, resolve_rank
@@ -63,6 +62,7 @@ __all__ = [
     "profile_keep",
     "saving_cap",
     "stable_rank",
+    "time_kernels",
     "time_lstm_kernels",
 ]
 
@@ -101,27 +101,17 @@ def layer_matrix(module: nn.Module) -> torch.Tensor | list[torch.Tensor]:
       ``(out, in·kh·kw)``, the matrix :class:`~pufferfish.lowrank.LowRankConv2d` splits;
     - ``nn.LSTM``: the list ``[W_ih_l0, W_hh_l0, W_ih_l1, ...]``;
     - ``nn.MultiheadAttention``: the list ``[W_q, W_k, W_v, W_out]``;
+    - any other registered type: its class's ``dense_matrices`` (:mod:`pufferfish.lowrank.base`);
     - a :class:`~pufferfish.lowrank.LowRankModule`: the products ``left @ right`` of its factor
       pairs (one matrix when there is one pair), so a factorized model can be tracked too.
 
     The matrices share storage with the parameters where possible; callers only read them.
     """
     if isinstance(module, LowRankModule):
-        products = [left @ right for left, right in module.factor_pairs()]
-        return products[0] if len(products) == 1 else products
-    if isinstance(module, nn.LSTM):
-        return [p for name, p in module.named_parameters(recurse=False)
-                if name.startswith("weight_")]
-    if isinstance(module, nn.MultiheadAttention):
-        if module.in_proj_weight is not None:
-            q, k, v = module.in_proj_weight.chunk(3, dim=0)
-        else:
-            q, k, v = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
-        return [q, k, v, module.out_proj.weight]
-    weight = getattr(module, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() >= 2:
-        return weight.reshape(weight.shape[0], -1)
-    raise TypeError(f"no weight matrix known for {type(module).__name__}")
+        matrices = [left @ right for left, right in module.factor_pairs()]
+    else:
+        matrices = (low_rank_class_for(module) or LowRankModule).dense_matrices(module)
+    return matrices[0] if len(matrices) == 1 else matrices
 
 
 def layer_stable_rank(module: nn.Module) -> float:
@@ -452,8 +442,9 @@ def profile_keep(
     model (``model`` params minus the savings of the layers factorized) fits; a layer kept only
     because it was slower then costs parameters that lower-than-budget ranks elsewhere freed.
 
-    A :class:`~pufferfish.lowrank.LowRankLSTM` is timed with both of its kernels (``kernel_ms``)
-    and judged by the faster, which the recipe will run (:func:`time_lstm_kernels`).
+    A layer with several kernels (``kernel_options()``: a :class:`~pufferfish.lowrank.LowRankLSTM`)
+    is timed with each (``kernel_ms``) and judged by the fastest, which the recipe will run
+    (:func:`time_kernels`).
 
     A layer whose rank saves no parameters is kept without timing; one that ``example_input``
     never calls is decided on parameters alone. Layers no key of ``ranks`` matches are not
@@ -510,16 +501,12 @@ def profile_keep(
             if not big:
                 keep_names.append(name)
             continue
-        low = cls.from_dense(module, r, extra_bn=extra_bn)
-        if isinstance(low, LowRankLSTM):  # judged by the faster of its two kernels
-            loop = copy.deepcopy(low)
-            low.fused, loop.fused = True, False
-            dense_ms, fused_ms, loop_ms = _time_steps([copy.deepcopy(module), low, loop],
-                                                      *captured, repeats, warmup)
-            m["kernel_ms"] = {"fused": fused_ms, "loop": loop_ms}
-            low_ms = min(fused_ms, loop_ms)
-        else:
-            dense_ms, low_ms = _time_steps([copy.deepcopy(module), low], *captured, repeats, warmup)
+        variants = _kernel_variants(cls.from_dense(module, r, extra_bn=extra_bn))
+        dense_ms, *low_times = _time_steps([copy.deepcopy(module), *variants.values()],
+                                           *captured, repeats, warmup)
+        if len(variants) > 1:  # judged by its fastest kernel, which the recipe will run
+            m["kernel_ms"] = dict(zip(variants, low_times, strict=True))
+        low_ms = min(low_times)
         speedup = dense_ms / low_ms if low_ms > 0 else math.inf
         m.update(dense_ms=dense_ms, lowrank_ms=low_ms, speedup=speedup)
         faster, big = speedup >= min_speedup, share >= min_param_share
@@ -538,36 +525,49 @@ def profile_keep(
     return keep_names, measurements
 
 
-def time_lstm_kernels(model: nn.Module, example_input: Any, repeats: int = 5,
-                      warmup: int = 2) -> dict[str, dict[str, Any]]:
-    """Time every :class:`~pufferfish.lowrank.LowRankLSTM` of ``model`` with both kernels.
+def time_kernels(model: nn.Module, example_input: Any, repeats: int = 5,
+                 warmup: int = 2) -> dict[str, dict[str, Any]]:
+    """Time every low-rank layer of ``model`` that has several kernels, with each kernel.
 
-    Why: the two kernels compute the same function at very different costs depending on the
-    device and the sizes (see :mod:`pufferfish.lowrank.lstm`); like ``cudnn.benchmark``, the only
-    reliable choice is a measurement on the shapes the run uses. Forward + backward in train
-    mode on the input each layer receives from ``example_input``, interleaved, median of
-    ``repeats``. Nothing is changed: the caller sets ``module.fused`` (the recipe does, with
-    rank 0's answer, so that every replica runs the same kernel).
+    Why: the kernels of a layer (``LowRankLSTM``'s fused and loop kernels) compute the same
+    function at very different costs depending on the device and the sizes (see
+    :mod:`pufferfish.lowrank.lstm`); like ``cudnn.benchmark``, the only reliable choice is a
+    measurement on the shapes the run uses. Forward + backward in train mode on the input each
+    layer receives from ``example_input``, interleaved, median of ``repeats``. Nothing is
+    changed: the caller runs ``module.use_kernel(name)`` (the recipe does, with rank 0's answer,
+    so that every replica runs the same kernel).
 
     Returns:
-        name -> ``{"kernel": "fused" | "loop", "fused_ms", "loop_ms"}``, for each LowRankLSTM
-        that ``example_input`` reaches.
+        name -> ``{"kernel": fastest, "<kernel>_ms": ...}`` (``{"kernel", "fused_ms", "loop_ms"}``
+        for a LowRankLSTM), for each such layer that ``example_input`` reaches; ties go to the
+        first of ``kernel_options()``.
     """
-    lstms = {name: m for name, m in model.named_modules() if isinstance(m, LowRankLSTM)}
-    if not lstms:
-        return {}
-    inputs = _capture_inputs(model, example_input, list(lstms.values()))
+    layers = {name: m for name, m in model.named_modules()
+              if isinstance(m, LowRankModule) and len(m.kernel_options()) > 1}
+    inputs = _capture_inputs(model, example_input, list(layers.values())) if layers else {}
     found: dict[str, dict[str, Any]] = {}
-    for name, module in lstms.items():
+    for name, module in layers.items():
         captured = inputs.get(id(module))
         if captured is None:
             continue
-        fused, loop = copy.deepcopy(module), copy.deepcopy(module)
-        fused.fused, loop.fused = True, False
-        fused_ms, loop_ms = _time_steps([fused, loop], *captured, repeats, warmup)
-        found[name] = {"kernel": "fused" if fused_ms <= loop_ms else "loop",
-                       "fused_ms": fused_ms, "loop_ms": loop_ms}
+        variants = _kernel_variants(module)
+        times = dict(zip(variants, _time_steps(list(variants.values()), *captured, repeats,
+                                               warmup), strict=True))
+        found[name] = {"kernel": min(times, key=times.__getitem__),
+                       **{f"{kernel}_ms": ms for kernel, ms in times.items()}}
     return found
+
+
+time_lstm_kernels = time_kernels  # its name when LowRankLSTM was the only layer with two kernels
+
+
+def _kernel_variants(layer: LowRankModule) -> dict[str | None, LowRankModule]:
+    """Kernel name -> a copy of ``layer`` running it; ``{None: layer}`` for a one-kernel layer."""
+    variants: dict[str | None, LowRankModule] = {}
+    for kernel in layer.kernel_options():
+        variants[kernel] = copy.deepcopy(layer)
+        variants[kernel].use_kernel(kernel)
+    return variants or {None: layer}
 
 
 def _fit_budget(keep_names: list[str], measurements: dict[str, dict[str, Any]], total: int,

@@ -41,10 +41,11 @@ was factorized gets a warning that says why.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -53,7 +54,6 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .base import LowRankModule, low_rank_class_for
-from .lstm import LowRankLSTM
 from .selection import ModuleIndex, as_patterns, first_match, resolve_rank
 from .svd import rank_from_ratio
 
@@ -143,45 +143,49 @@ def count_macs(model: nn.Module, example_input: Any) -> int:
     """Multiply-accumulates of one forward pass (``FlopCounterMode`` FLOPs / 2), in eval mode.
 
     Eval mode so that counting does not update BatchNorm statistics; the training flags of every
-    submodule are restored afterwards. Two blind spots of the flop counter are covered: the fused
-    fast path of ``nn.MultiheadAttention``/``TransformerEncoderLayer`` is switched off while
-    counting (so attention is counted as its matmuls, like training runs it), and ``nn.LSTM``'s
-    fused kernel, which the counter does not see, is counted analytically: per time step and layer
-    ``4h·(in + h)`` MACs. A :class:`LowRankLSTM` is counted as its factorized arithmetic (its loop
-    kernel, run while counting), whichever kernel it trains with: the fused kernel is an execution
-    choice made by timing, not a different model.
+    submodule are restored afterwards. What the flop counter cannot see is the layer classes'
+    business (:mod:`pufferfish.lowrank.base`): each registered dense module adds its
+    ``uncounted_macs`` (``nn.LSTM``'s fused kernel, counted analytically), and every layer's
+    ``counting`` context is entered around the pass (torch's fused attention fast path is switched
+    off, so attention counts as its matmuls, like training runs it; a ``LowRankLSTM`` runs
+    its loop kernel, the factorized arithmetic, whichever kernel it trains with).
     """
-    flags = [(m, m.training) for m in model.modules()]
-    lstm_macs = [0]
+    uncounted = [0]
 
-    def count_lstm(module: nn.LSTM, args: tuple, output: Any) -> None:
-        x = args[0]
-        steps = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
-        h, width = module.hidden_size, module.input_size
-        for _ in range(module.num_layers):
-            lstm_macs[0] += steps * 4 * h * (width + h)
-            width = h
+    def add_uncounted(cls: type[LowRankModule], module: nn.Module, args: tuple, output: Any
+                      ) -> None:
+        uncounted[0] += cls.uncounted_macs(module, args, output)
 
-    handles = [m.register_forward_hook(count_lstm) for m in model.modules()
-               if type(m) is nn.LSTM]
-    kernels = [(m, m.fused) for m in model.modules() if isinstance(m, LowRankLSTM)]
-    fastpath = torch.backends.mha.get_fastpath_enabled()
-    model.eval()
-    try:
-        torch.backends.mha.set_fastpath_enabled(False)
-        for m, _ in kernels:
-            m.fused = False
+    with ExitStack() as stack:
+        for module in model.modules():
+            cls = _layer_class(module)
+            if cls is None:
+                continue
+            stack.enter_context(cls.counting(module))
+            if not isinstance(module, LowRankModule):
+                hook = module.register_forward_hook(functools.partial(add_uncounted, cls))
+                stack.callback(hook.remove)
+        stack.enter_context(_eval_mode(model))
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             call_with_example(model, example_input)
+    return counter.get_total_flops() // 2 + uncounted[0]
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode; every submodule's training flag restored on exit."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
     finally:
-        torch.backends.mha.set_fastpath_enabled(fastpath)
-        for m, fused in kernels:
-            m.fused = fused
-        for handle in handles:
-            handle.remove()
         for m, training in flags:
             m.training = training
-    return counter.get_total_flops() // 2 + lstm_macs[0]
+
+
+def _layer_class(module: nn.Module) -> type[LowRankModule] | None:
+    """The low-rank class that knows ``module``'s type: its own, or the one registered for it."""
+    return type(module) if isinstance(module, LowRankModule) else low_rank_class_for(module)
 
 
 def factorize(
@@ -626,13 +630,7 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def _shape(module: nn.Module) -> str:
-    weight = getattr(module, "weight", None)
-    if isinstance(weight, torch.Tensor):
-        return "x".join(map(str, weight.shape))
-    if isinstance(module, nn.LSTM):
-        return f"{module.input_size}->{module.hidden_size} x{module.num_layers}"
-    if isinstance(module, nn.MultiheadAttention):
-        return f"embed {module.embed_dim}, {module.num_heads} heads"
-    return "-"
+    """The report's shape column, as the layer class words it (the default for unsupported types)."""
+    return (low_rank_class_for(module) or LowRankModule).shape_summary(module)
 
 
