@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from ..lowrank.base import low_rank_class_for
-from ..lowrank.factorize import count_params
+from ..lowrank.factorize import count_params, factorizable_modules
 from ..lowrank.selection import as_patterns, first_match
 from ..lowrank.svd import rank_from_ratio
-from .stable_rank import StableRankTracker, factorizable_except, layer_matrix, layer_stable_rank
+from .stable_rank import StableRankTracker, layer_matrix, layer_stable_rank
 
 __all__ = ["budget_params", "choose_ranks", "saving_cap"]
 
@@ -30,7 +30,7 @@ def budget_params(model: nn.Module, max_ratio: float, keep: Iterable[str] = ()) 
     ``keep``: the paper's 1/4 preset). Layers whose rank at ``max_ratio`` saves nothing count dense.
     """
     total = count_params(model)
-    for module in factorizable_except(model, keep).values():
+    for module in factorizable_modules(model, keep).values():
         cls = low_rank_class_for(module)
         assert cls is not None
         r = min(rank_from_ratio(cls.full_rank(module), max_ratio), saving_cap(module))
@@ -126,7 +126,7 @@ def _layers_and_initial(model_or_tracker: nn.Module | StableRankTracker, keep: l
         tracker = model_or_tracker
         modules = {n: m for n, m in tracker.modules.items() if first_match([n], keep) is None}
         return modules, (tracker.initial if initial is None else initial) or {}
-    return factorizable_except(model_or_tracker, keep), initial or {}
+    return factorizable_modules(model_or_tracker, keep), initial or {}
 
 
 def _check_initial(modules: Mapping[str, nn.Module], init: Mapping[str, float]) -> None:

@@ -14,10 +14,8 @@ from torch import nn
 
 from ..lowrank.base import LowRankModule, low_rank_class_for
 from ..lowrank.factorize import factorizable_modules
-from ..lowrank.selection import ModuleIndex, as_patterns
 
-__all__ = ["StableRankTracker", "factorizable_except", "layer_matrix", "layer_stable_rank",
-           "stable_rank"]
+__all__ = ["StableRankTracker", "layer_matrix", "layer_stable_rank", "stable_rank"]
 
 
 @torch.no_grad()
@@ -71,15 +69,6 @@ def layer_stable_rank(module: nn.Module) -> float:
     return sum(stable_rank(m) for m in matrices) / len(matrices)
 
 
-def factorizable_except(model: nn.Module, keep: Iterable[str]) -> dict[str, nn.Module]:
-    """``factorizable_modules`` minus those any of whose names matches a ``keep`` pattern."""
-    keep = as_patterns(keep)
-    index = ModuleIndex(model)
-    index.check(keep)
-    return {name: m for name, m in factorizable_modules(model).items()
-            if index.first_match(m, keep) is None}
-
-
 class StableRankTracker:
     """Records the stable rank of every factorizable layer of ``model`` over training.
 
@@ -99,7 +88,7 @@ class StableRankTracker:
     """
 
     def __init__(self, model: nn.Module, keep: Iterable[str] = ()) -> None:
-        self.modules: dict[str, nn.Module] = factorizable_except(model, keep)
+        self.modules: dict[str, nn.Module] = factorizable_modules(model, keep)
         self.full_ranks: dict[str, int] = {}
         for name, module in self.modules.items():
             cls = low_rank_class_for(module)

@@ -402,20 +402,25 @@ _STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_
                      "_load_state_dict_post_hooks")
 
 
-def factorizable_modules(model: nn.Module) -> dict[str, nn.Module]:
+def factorizable_modules(model: nn.Module, keep: str | Iterable[str] = ()
+                         ) -> dict[str, nn.Module]:
     """Qualified name -> module for every module ``factorize`` could replace, in registration order.
 
     The candidates of rules 1-7 (same subtree skipping: nothing inside a candidate or a low-rank
-    module) minus those the layer class reports unsupported (rule 4), before any keep, include
-    or parameter-saving rule. The name is the module's first qualified name, the one the report
+    module) minus those the layer class reports unsupported (rule 4) and those matching a
+    ``keep`` pattern (rule 1; each pattern must match a module), before any include or
+    parameter-saving rule. The name is the module's first qualified name, the one the report
     uses; a shared module appears once. Exact names are valid ``keep``/``overrides`` patterns.
     """
+    keep = as_patterns(keep)
     index = ModuleIndex(model)
+    index.check(keep)
     candidates, _ = _candidates(model)
     supported: dict[str, nn.Module] = {}
     for module in candidates:
         cls = low_rank_class_for(module)
-        if cls is not None and cls.unsupported_reason(module) is None:
+        if (cls is not None and cls.unsupported_reason(module) is None
+                and index.first_match(module, keep) is None):
             supported[index.name(module)] = module
     return supported
 
