@@ -326,7 +326,7 @@ class Recipe:
             # timing, so that every replica runs the same one).
             kernels = _agree(time_lstm_kernels(inner, self.example_input))
             for name, k in kernels.items():
-                inner.get_submodule(name).fused = k["kernel"] == "fused"
+                inner.get_submodule(name).use_kernel(k["kernel"])
             if kernels:
                 self.decisions["lstm_kernels"] = kernels
         self.switched_at = epoch

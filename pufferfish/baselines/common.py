@@ -1,13 +1,10 @@
-"""Helpers the pruning baselines share: which module is the output layer, glob matching."""
+"""Helpers the pruning baselines share: which module is the output layer."""
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Iterable
-
 from torch import nn
 
-__all__ = ["match_modules", "output_layer_name"]
+__all__ = ["output_layer_name"]
 
 
 def output_layer_name(model: nn.Module) -> str:
@@ -23,18 +20,3 @@ def output_layer_name(model: nn.Module) -> str:
         raise ValueError(f"{type(model).__name__} has no nn.Linear output layer to exclude")
     return names[-1]
 
-
-def match_modules(model: nn.Module, patterns: Iterable[str]) -> set[str]:
-    """Names of the modules matching any glob in ``patterns``; a pattern matching none is an error.
-
-    The same rule as :func:`pufferfish.lowrank.factorize`'s patterns, so that a typo in an exclude
-    list is an error instead of a silently pruned classifier.
-    """
-    names = [name for name, _ in model.named_modules() if name]
-    hits: set[str] = set()
-    for pattern in patterns:
-        matched = {n for n in names if fnmatch.fnmatchcase(n, pattern)}
-        if not matched:
-            raise ValueError(f"pattern {pattern!r} matches no module of {type(model).__name__}")
-        hits |= matched
-    return hits

@@ -28,8 +28,9 @@ from torch import nn
 from torch.nn.utils import prune
 
 from ..config import ConfigError, TrainConfig
+from ..lowrank.selection import ModuleIndex
 from ..training.method import Change, Method
-from .common import match_modules, output_layer_name
+from .common import output_layer_name
 
 __all__ = ["LotteryTicketMethod", "prunable_modules", "prune_global", "round_counts"]
 
@@ -40,9 +41,10 @@ _PRUNABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 def prunable_modules(model: nn.Module, exclude: list[str] | None = None) -> dict[str, nn.Module]:
     """Name -> module for every conv/linear layer whose weight LTH may prune.
 
-    ``exclude``: globs of module names left dense (empty or None: the output layer only).
+    ``exclude``: globs of module names left dense (empty or None: the output layer only); a glob
+    matching no module is an error (:mod:`pufferfish.lowrank.selection`).
     """
-    excluded = match_modules(model, exclude) if exclude else {output_layer_name(model)}
+    excluded = ModuleIndex(model).select(exclude) if exclude else {output_layer_name(model)}
     skip = tuple(f"{name}." for name, m in model.named_modules()
                  if isinstance(m, nn.MultiheadAttention))  # its out_proj is not called as a module
     return {name: m for name, m in model.named_modules()

@@ -17,7 +17,8 @@ result back (:meth:`LowRankMultiheadAttention._forward_nested`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, ClassVar, Self
 
 import torch
@@ -287,6 +288,34 @@ class LowRankMultiheadAttention(LowRankModule):
 
     def factor_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(proj.u.weight, proj.v.weight) for proj in self._projections()]
+
+    # --- what code that reads a model asks (see pufferfish.lowrank.base)
+
+    @classmethod
+    def dense_matrices(cls, dense: nn.MultiheadAttention) -> list[torch.Tensor]:
+        """``[W_q, W_k, W_v, W_out]``: the four ``E x E`` projections, each truncated at the rank."""
+        if dense.in_proj_weight is not None:
+            q, k, v = dense.in_proj_weight.chunk(3, dim=0)
+        else:
+            q, k, v = dense.q_proj_weight, dense.k_proj_weight, dense.v_proj_weight
+        return [q, k, v, dense.out_proj.weight]
+
+    @classmethod
+    def shape_summary(cls, dense: nn.MultiheadAttention) -> str:
+        return f"embed {dense.embed_dim}, {dense.num_heads} heads"
+
+    @classmethod
+    @contextmanager
+    def counting(cls, module: nn.Module) -> Iterator[None]:
+        """torch's fused attention fast path (``nn.MultiheadAttention``,
+        ``TransformerEncoderLayer``, in eval mode under ``no_grad``) hides its matmuls from the
+        flop counter: it is off while counting, so attention counts as the matmuls training runs."""
+        enabled = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            yield
+        finally:
+            torch.backends.mha.set_fastpath_enabled(enabled)
 
     def _projections(self) -> tuple[_Projection, _Projection, _Projection, _Projection]:
         return self.q_proj, self.k_proj, self.v_proj, self.out_proj

@@ -13,6 +13,21 @@ for the dense type these questions:
 - ``rank_from_state_dict(state)``: the ``(rank, options)`` of a layer whose ``state_dict`` is
   ``state``, so that :func:`~pufferfish.load_factorized` can rebuild it on a fresh dense model.
 
+Code that reads a model rather than rewrites it (MAC counting, the report, stable ranks, the
+automatic recipe) asks the class too, so that no layer type is special-cased outside its own file;
+the defaults fit any layer with one ``weight`` matrix (``nn.Linear``, ``nn.Conv2d``):
+
+- ``dense_matrices(dense)``: the 2-D matrices whose rank the factorization truncates, read for
+  stable ranks and spectra (default: ``weight`` reshaped to ``(out, in·…)``);
+- ``shape_summary(dense)``: the shape column of the report (default: the weight's shape);
+- ``uncounted_macs(dense, args, output)`` and ``counting(module)``: what torch's flop counter
+  cannot see in one forward call of a dense instance (``nn.LSTM``'s fused kernel), and a context
+  in which a forward pass runs the arithmetic the count should see (defaults: 0, nothing);
+- ``kernel_options()``, ``current_kernel()``, ``use_kernel(name)`` (on instances): the names of
+  interchangeable implementations of ``forward`` (same function, different cost), which one runs,
+  and switching (default: one kernel, ``()``). The automatic recipe times every option on the
+  run's shapes and keeps the fastest.
+
 ``options`` are the keyword options of ``factorize`` (``extra_bn=...``) passed to every class:
 a class takes those it knows and must accept (and ignore) the others, hence ``**options``.
 
@@ -30,7 +45,8 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from typing import ClassVar, Self
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, ClassVar, Self
 
 import torch
 from torch import nn
@@ -91,6 +107,60 @@ class LowRankModule(nn.Module):
         Used by Frobenius decay (penalize ``‖left @ right‖²``) and by spectral diagnostics.
         """
         raise NotImplementedError
+
+    # --- what code that reads a model asks; the defaults fit one-weight layers (Linear, Conv2d)
+
+    @classmethod
+    def dense_matrices(cls, dense: nn.Module) -> list[torch.Tensor]:
+        """The 2-D matrices of ``dense`` whose rank the factorization truncates.
+
+        Read (never written) for stable ranks and spectra; they share storage with the
+        parameters where possible. Default: ``weight`` reshaped to ``(out, in·…)``, the matrix
+        :class:`~pufferfish.lowrank.LowRankConv2d` splits.
+        """
+        weight = getattr(dense, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() >= 2:
+            return [weight.reshape(weight.shape[0], -1)]
+        raise TypeError(f"no weight matrix known for {type(dense).__name__}")
+
+    @classmethod
+    def shape_summary(cls, dense: nn.Module) -> str:
+        """The shape column of the factorization report. Default: the weight's shape, ``8x3x3x3``."""
+        weight = getattr(dense, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            return "x".join(map(str, weight.shape))
+        return "-"
+
+    @classmethod
+    def uncounted_macs(cls, dense: nn.Module, args: tuple[Any, ...], output: Any) -> int:
+        """MACs of one forward call of ``dense`` that torch's flop counter does not see.
+
+        Added by :func:`~pufferfish.count_macs`; default 0: the counter sees every matmul.
+        """
+        return 0
+
+    @classmethod
+    def counting(cls, module: nn.Module) -> AbstractContextManager[None]:
+        """A context in which a forward pass of ``module`` (dense, or of this class) runs the
+        arithmetic its MAC count should see; entered by :func:`~pufferfish.count_macs`.
+
+        Default: nothing to change.
+        """
+        return nullcontext()
+
+    def kernel_options(self) -> tuple[str, ...]:
+        """Names of interchangeable implementations of ``forward`` (same function, different
+        cost, so worth timing on the run's shapes); ``()`` when there is only one."""
+        return ()
+
+    def current_kernel(self) -> str | None:
+        """The kernel ``forward`` runs now, one of :meth:`kernel_options` (``None``: only one)."""
+        return None
+
+    def use_kernel(self, name: str) -> None:
+        """Run kernel ``name`` (one of :meth:`kernel_options`) from now on."""
+        allowed = ", ".join(self.kernel_options()) or "none: it has one kernel"
+        raise ValueError(f"{type(self).__name__} has no kernel {name!r}: allowed {allowed}")
 
 
 def register_low_rank(dense_type: type[nn.Module], low_rank_type: type[LowRankModule]) -> None:

@@ -17,10 +17,12 @@ Rules, in the order they are applied to each candidate module (the first that fi
 4. the layer class reports the instance unsupported (grouped conv, bidirectional LSTM, ...) -> kept;
    so is a module whose weight a ``torch.nn.utils`` hook recomputes (``weight_norm``, ...);
 5. one of its parameters is also held by a module outside it (a tied weight: GPT-2's ``lm_head``
-   and ``wte``) -> kept, "weight tied to <name>": factorizing one holder would untie them; the first matching ``overrides`` pattern (an ``int`` is a rank, a ``float`` a ratio),
-   else ``rank``, else ``rank_ratio`` of the layer's full rank; capped at the full rank;
-6. no parameter saving at that rank (``params_at_rank`` and, once built, the replacement's own
-   count ≥ the dense count; ``extra_bn`` included) -> kept. So factorizing never enlarges a model;
+   and ``wte``) -> kept, "weight tied to <name>": factorizing one holder would untie them;
+6. its rank is the first matching ``overrides`` pattern (an ``int`` is a rank, a ``float`` a
+   ratio), else ``rank``, else ``rank_ratio`` of the layer's full rank; capped at the full rank
+   (:mod:`pufferfish.lowrank.selection`). No parameter saving at that rank (``params_at_rank``
+   and, once built, the replacement's own count ≥ the dense count; ``extra_bn`` included)
+   -> kept. So factorizing never enlarges a model;
 7. otherwise replaced by ``LowRankX.from_dense(module, rank, extra_bn=...)``.
 
 Modules inside a candidate (the ``out_proj`` of an ``nn.MultiheadAttention``) or inside an
@@ -39,11 +41,11 @@ was factorized gets a warning that says why.
 
 from __future__ import annotations
 
-import fnmatch
+import functools
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -52,7 +54,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .base import LowRankModule, low_rank_class_for
-from .lstm import LowRankLSTM
+from .selection import ModuleIndex, as_patterns, first_match, resolve_rank
 from .svd import rank_from_ratio
 
 __all__ = [
@@ -141,45 +143,49 @@ def count_macs(model: nn.Module, example_input: Any) -> int:
     """Multiply-accumulates of one forward pass (``FlopCounterMode`` FLOPs / 2), in eval mode.
 
     Eval mode so that counting does not update BatchNorm statistics; the training flags of every
-    submodule are restored afterwards. Two blind spots of the flop counter are covered: the fused
-    fast path of ``nn.MultiheadAttention``/``TransformerEncoderLayer`` is switched off while
-    counting (so attention is counted as its matmuls, like training runs it), and ``nn.LSTM``'s
-    fused kernel, which the counter does not see, is counted analytically: per time step and layer
-    ``4h·(in + h)`` MACs. A :class:`LowRankLSTM` is counted as its factorized arithmetic (its loop
-    kernel, run while counting), whichever kernel it trains with: the fused kernel is an execution
-    choice made by timing, not a different model.
+    submodule are restored afterwards. What the flop counter cannot see is the layer classes'
+    business (:mod:`pufferfish.lowrank.base`): each registered dense module adds its
+    ``uncounted_macs`` (``nn.LSTM``'s fused kernel, counted analytically), and every layer's
+    ``counting`` context is entered around the pass (torch's fused attention fast path is switched
+    off, so attention counts as its matmuls, like training runs it; a ``LowRankLSTM`` runs
+    its loop kernel, the factorized arithmetic, whichever kernel it trains with).
     """
-    flags = [(m, m.training) for m in model.modules()]
-    lstm_macs = [0]
+    uncounted = [0]
 
-    def count_lstm(module: nn.LSTM, args: tuple, output: Any) -> None:
-        x = args[0]
-        steps = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
-        h, width = module.hidden_size, module.input_size
-        for _ in range(module.num_layers):
-            lstm_macs[0] += steps * 4 * h * (width + h)
-            width = h
+    def add_uncounted(cls: type[LowRankModule], module: nn.Module, args: tuple, output: Any
+                      ) -> None:
+        uncounted[0] += cls.uncounted_macs(module, args, output)
 
-    handles = [m.register_forward_hook(count_lstm) for m in model.modules()
-               if type(m) is nn.LSTM]
-    kernels = [(m, m.fused) for m in model.modules() if isinstance(m, LowRankLSTM)]
-    fastpath = torch.backends.mha.get_fastpath_enabled()
-    model.eval()
-    try:
-        torch.backends.mha.set_fastpath_enabled(False)
-        for m, _ in kernels:
-            m.fused = False
+    with ExitStack() as stack:
+        for module in model.modules():
+            cls = _layer_class(module)
+            if cls is None:
+                continue
+            stack.enter_context(cls.counting(module))
+            if not isinstance(module, LowRankModule):
+                hook = module.register_forward_hook(functools.partial(add_uncounted, cls))
+                stack.callback(hook.remove)
+        stack.enter_context(_eval_mode(model))
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             call_with_example(model, example_input)
+    return counter.get_total_flops() // 2 + uncounted[0]
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode; every submodule's training flag restored on exit."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
     finally:
-        torch.backends.mha.set_fastpath_enabled(fastpath)
-        for m, fused in kernels:
-            m.fused = fused
-        for handle in handles:
-            handle.remove()
         for m, training in flags:
             m.training = training
-    return counter.get_total_flops() // 2 + lstm_macs[0]
+
+
+def _layer_class(module: nn.Module) -> type[LowRankModule] | None:
+    """The low-rank class that knows ``module``'s type: its own, or the one registered for it."""
+    return type(module) if isinstance(module, LowRankModule) else low_rank_class_for(module)
 
 
 def factorize(
@@ -216,89 +222,30 @@ def factorize(
     Every pattern must match at least one module name, so that a typo is an error rather than a
     silently full-rank layer.
     """
-    if rank is None:
-        rank_from_ratio(1, rank_ratio)  # validates the ratio, naming the bad value
-    elif isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"rank {rank!r} is out of range: allowed an integer >= 1")
-    if isinstance(keep_first, bool) or not isinstance(keep_first, int) or keep_first < 0:
-        raise ValueError(f"keep_first {keep_first!r} is out of range: allowed an integer >= 0")
-    keep = [keep] if isinstance(keep, str) else list(keep)
-    if preset is not None:
-        keep += _preset(model, preset).get("keep", [])
-    include = None if include is None else ([include] if isinstance(include, str) else list(include))
-    overrides = dict(overrides or {})
-    for value in overrides.values():
-        if isinstance(value, float):
-            rank_from_ratio(1, value)
-        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"override {value!r} is invalid: allowed a rank (int >= 1) "
-                             "or a ratio (float in (0, 1])")
-
+    keep, include, overrides = _validated(model, rank_ratio, rank, keep, include, overrides,
+                                          keep_first, preset)
     _check_root(model)
-    names_of = _names_by_module(model)
-    all_names = [n for names in names_of.values() for n in names]
-    for pattern in [*keep, *(include or []), *overrides]:
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in all_names):
-            raise ValueError(f"pattern {pattern!r} matches no module of {type(model).__name__}")
-    already_low_rank = _warn_if_already_low_rank(model, names_of)
-
-    candidates, unsupported = _candidates(model, names_of)
-    order = _forward_order(model, candidates, example_input) if example_input is not None else candidates
-    hybrid = {id(m) for m in order[:keep_first]}
-    tied = _tied_parameters(model)
-    options: dict[str, Any] = {"extra_bn": extra_bn}
-
+    index = ModuleIndex(model)
+    index.check([*keep, *(include or []), *overrides])
+    already_low_rank = _warn_if_already_low_rank(model, index)
+    candidates, unsupported = _candidates(model)
+    order = candidates if example_input is None else _forward_order(model, candidates,
+                                                                     example_input)
+    plan = _Plan(keep=keep, include=include, overrides=overrides,
+                 default=rank if rank is not None else rank_ratio, keep_first=keep_first,
+                 hybrid={id(m) for m in order[:keep_first]}, tied=_tied_parameters(model),
+                 options={"extra_bn": extra_bn})
     params_before = count_params(model)
     macs_before = count_macs(model, example_input) if example_input is not None else None
-    decisions: list[LayerDecision] = []
-    replacements: list[tuple[nn.Module, LowRankModule, list[str]]] = []
-    for module in candidates:
-        names = names_of[id(module)]
-        cls = low_rank_class_for(module)
-        assert cls is not None
-        decision = LayerDecision(name=names[0], aliases=names[1:], kind=type(module).__name__,
-                                 shape=_shape(module), factorized=False, reason="",
-                                 params_before=count_params(module))
-        decisions.append(decision)
-        hit = _first_match(names, keep)
-        if hit is not None:
-            decision.reason = f"kept: matches keep pattern {hit!r}"
-            continue
-        if include is not None and _first_match(names, include) is None:
-            decision.reason = "kept: matches no include pattern"
-            continue
-        if id(module) in hybrid:
-            decision.reason = f"kept: hybrid, among the first {keep_first} layers"
-            continue
-        why = cls.unsupported_reason(module) or _reparametrized(module) or _tie(module, tied)
-        if why is not None:
-            decision.reason = f"kept: {why}"
-            continue
-        full = cls.full_rank(module)
-        decision.full_rank = full
-        hit = _first_match(names, overrides)
-        chosen = overrides[hit] if hit is not None else (rank if rank is not None else rank_ratio)
-        r = min(full, chosen) if isinstance(chosen, int) else rank_from_ratio(full, chosen)
-        decision.rank = r
-        after = cls.params_at_rank(module, r, **options)
-        low = cls.from_dense(module, r, **options) if after < decision.params_before else None
-        after = after if low is None else max(after, count_params(low))
-        if low is None or after >= decision.params_before:
-            decision.reason = (f"kept: no parameter saving at rank {r} "
-                               f"({after:,} >= {decision.params_before:,})")
-            continue
-        carry_over(module, low)
-        replacements.append((module, low, names))
-        decision.factorized, decision.params_after = True, after
-        how = "ratio" if isinstance(chosen, float) else "rank"
-        decision.reason = f"factorized ({how} {chosen}" + (f", override {hit!r})" if hit else ")")
 
-    for module in unsupported:
-        names = names_of[id(module)]
-        decisions.append(LayerDecision(
-            name=names[0], aliases=names[1:], kind=type(module).__name__, shape=_shape(module),
-            factorized=False, reason=f"kept: unsupported type; {_HINT}",
-            params_before=count_params(module)))
+    decisions: list[LayerDecision] = []
+    replacements: list[tuple[nn.Module, nn.Module, list[str]]] = []
+    for module in candidates:
+        decision, low = _decide(module, index.names(module), plan)
+        decisions.append(decision)
+        if low is not None:
+            replacements.append((module, low, index.names(module)))
+    decisions += [_unsupported_decision(m, index.names(m)) for m in unsupported]
 
     with _swapped(model, replacements):
         macs_after = count_macs(model, example_input) if example_input is not None else None
@@ -307,6 +254,109 @@ def factorize(
     if not replacements and (decisions or not already_low_rank):
         _warn_nothing_factorized(model, decisions)
     return report
+
+
+@dataclass
+class _Plan:
+    """The choices of one ``factorize`` call, applied to each candidate by :func:`_decide`."""
+
+    keep: list[str]
+    include: list[str] | None
+    overrides: dict[str, int | float]
+    default: int | float  # ``rank`` (an int) or ``rank_ratio`` (a float)
+    keep_first: int
+    hybrid: set[int]  # ids of the first ``keep_first`` modules in forward order
+    tied: dict[int, list[tuple[nn.Module, str]]]
+    options: dict[str, Any]
+
+
+def _validated(model: nn.Module, rank_ratio: float, rank: int | None, keep: Iterable[str],
+               include: Iterable[str] | None, overrides: Mapping[str, int | float] | None,
+               keep_first: int, preset: str | None
+               ) -> tuple[list[str], list[str] | None, dict[str, int | float]]:
+    """Check the scalar arguments (naming a bad value); ``keep`` (with the preset's), ``include``
+    and ``overrides`` as lists and a dict."""
+    if rank is None:
+        rank_from_ratio(1, rank_ratio)  # validates the ratio, naming the bad value
+    elif isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank {rank!r} is out of range: allowed an integer >= 1")
+    if isinstance(keep_first, bool) or not isinstance(keep_first, int) or keep_first < 0:
+        raise ValueError(f"keep_first {keep_first!r} is out of range: allowed an integer >= 0")
+    keep = as_patterns(keep)
+    if preset is not None:
+        keep += _preset(model, preset).get("keep", [])
+    overrides = dict(overrides or {})
+    for value in overrides.values():
+        if isinstance(value, float):
+            rank_from_ratio(1, value)
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"override {value!r} is invalid: allowed a rank (int >= 1) "
+                             "or a ratio (float in (0, 1])")
+    return keep, None if include is None else as_patterns(include), overrides
+
+
+def _decide(module: nn.Module, names: list[str], plan: _Plan
+            ) -> tuple[LayerDecision, LowRankModule | None]:
+    """Rules 1-7 for one candidate: its report line, and its replacement unless it is kept."""
+    cls = low_rank_class_for(module)
+    assert cls is not None
+    decision = LayerDecision(name=names[0], aliases=names[1:], kind=type(module).__name__,
+                             shape=_shape(module), factorized=False, reason="",
+                             params_before=count_params(module))
+    why = _why_kept(module, names, cls, plan)
+    if why is not None:
+        decision.reason = f"kept: {why}"
+        return decision, None
+    decision.full_rank = cls.full_rank(module)
+    hit = first_match(names, plan.overrides)
+    chosen = plan.overrides[hit] if hit is not None else plan.default
+    decision.rank = resolve_rank(chosen, decision.full_rank)
+    low, after = _build_if_smaller(cls, module, decision.rank, decision.params_before,
+                                   plan.options)
+    if low is None:
+        decision.reason = (f"kept: no parameter saving at rank {decision.rank} "
+                           f"({after:,} >= {decision.params_before:,})")
+        return decision, None
+    carry_over(module, low)
+    decision.factorized, decision.params_after = True, after
+    how = "ratio" if isinstance(chosen, float) else "rank"
+    decision.reason = f"factorized ({how} {chosen}" + (f", override {hit!r})" if hit else ")")
+    return decision, low
+
+
+def _why_kept(module: nn.Module, names: list[str], cls: type[LowRankModule], plan: _Plan
+              ) -> str | None:
+    """Rules 1-5: why ``module`` stays dense whatever its rank, or ``None``."""
+    hit = first_match(names, plan.keep)
+    if hit is not None:
+        return f"matches keep pattern {hit!r}"
+    if plan.include is not None and first_match(names, plan.include) is None:
+        return "matches no include pattern"
+    if id(module) in plan.hybrid:
+        return f"hybrid, among the first {plan.keep_first} layers"
+    return cls.unsupported_reason(module) or _reparametrized(module) or _tie(module, plan.tied)
+
+
+def _build_if_smaller(cls: type[LowRankModule], module: nn.Module, rank: int, before: int,
+                      options: dict[str, Any]) -> tuple[LowRankModule | None, int]:
+    """Rules 6-7: the replacement at ``rank`` and its size, or ``None`` if it saves nothing.
+
+    ``params_at_rank`` answers before anything is built; the built module's own count has the
+    last word (a class whose estimate is low cannot make the model larger).
+    """
+    after = cls.params_at_rank(module, rank, **options)
+    if after >= before:
+        return None, after
+    low = cls.from_dense(module, rank, **options)
+    after = max(after, count_params(low))
+    return (low if after < before else None), after
+
+
+def _unsupported_decision(module: nn.Module, names: list[str]) -> LayerDecision:
+    return LayerDecision(name=names[0], aliases=names[1:], kind=type(module).__name__,
+                         shape=_shape(module), factorized=False,
+                         reason=f"kept: unsupported type; {_HINT}",
+                         params_before=count_params(module))
 
 
 def call_with_example(model: nn.Module, example_input: Any) -> Any:
@@ -352,21 +402,26 @@ _STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_
                      "_load_state_dict_post_hooks")
 
 
-def factorizable_modules(model: nn.Module) -> dict[str, nn.Module]:
+def factorizable_modules(model: nn.Module, keep: str | Iterable[str] = ()
+                         ) -> dict[str, nn.Module]:
     """Qualified name -> module for every module ``factorize`` could replace, in registration order.
 
     The candidates of rules 1-7 (same subtree skipping: nothing inside a candidate or a low-rank
-    module) minus those the layer class reports unsupported (rule 4), before any keep, include
-    or parameter-saving rule. The name is the module's first qualified name, the one the report
+    module) minus those the layer class reports unsupported (rule 4) and those matching a
+    ``keep`` pattern (rule 1; each pattern must match a module), before any include or
+    parameter-saving rule. The name is the module's first qualified name, the one the report
     uses; a shared module appears once. Exact names are valid ``keep``/``overrides`` patterns.
     """
-    names_of = _names_by_module(model)
-    candidates, _ = _candidates(model, names_of)
+    keep = as_patterns(keep)
+    index = ModuleIndex(model)
+    index.check(keep)
+    candidates, _ = _candidates(model)
     supported: dict[str, nn.Module] = {}
     for module in candidates:
         cls = low_rank_class_for(module)
-        if cls is not None and cls.unsupported_reason(module) is None:
-            supported[names_of[id(module)][0]] = module
+        if (cls is not None and cls.unsupported_reason(module) is None
+                and index.first_match(module, keep) is None):
+            supported[index.name(module)] = module
     return supported
 
 
@@ -380,12 +435,12 @@ def merge(model: nn.Module) -> nn.Module:
         carry_over(model, dense)
         return dense
     modules = {id(m): m for m in model.modules() if isinstance(m, LowRankModule)}
-    names_of = _names_by_module(model)
+    index = ModuleIndex(model)
     replacements = []
-    for module_id, module in modules.items():
+    for module in modules.values():
         dense = module.to_dense()
         carry_over(module, dense)
-        replacements.append((module, dense, names_of[module_id]))
+        replacements.append((module, dense, index.names(module)))
     with _swapped(model, replacements):  # every merge built first: all or nothing
         pass
     return model
@@ -405,11 +460,11 @@ def load_factorized(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) ->
     ``load_factorized(model, torch.load(path, weights_only=True))`` or
     ``safetensors.torch.load_file(path)``.
     """
-    names_of = _names_by_module(model)
-    candidates, _ = _candidates(model, names_of)
+    index = ModuleIndex(model)
+    candidates, _ = _candidates(model)
     replacements = []
     for module in candidates:
-        names = names_of[id(module)]
+        names = index.names(module)
         prefix = names[0] + "."
         own = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
         if not set(own) - set(module.state_dict()):
@@ -476,8 +531,8 @@ def _check_root(model: nn.Module) -> None:
                          f"replacement yourself ({cls.__name__}.from_dense(model, rank))")
 
 
-def _warn_if_already_low_rank(model: nn.Module, names_of: dict[int, list[str]]) -> bool:
-    low = [names_of[id(m)][0] or "<root>" for m in model.modules() if isinstance(m, LowRankModule)]
+def _warn_if_already_low_rank(model: nn.Module, index: ModuleIndex) -> bool:
+    low = [index.name(m) or "<root>" for m in model.modules() if isinstance(m, LowRankModule)]
     if low:
         listed = ", ".join(low[:5]) + (f" and {len(low) - 5} more" if len(low) > 5 else "")
         warnings.warn(f"{type(model).__name__} is already factorized: {len(low)} low-rank "
@@ -533,16 +588,7 @@ def _preset(model: nn.Module, preset: str) -> dict[str, Any]:
     return presets[preset]
 
 
-def _names_by_module(model: nn.Module) -> dict[int, list[str]]:
-    """id(module) -> every qualified name it is reachable under, in registration order."""
-    names: dict[int, list[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        names.setdefault(id(module), []).append(name)
-    return names
-
-
-def _candidates(model: nn.Module, names_of: dict[int, list[str]]
-                ) -> tuple[list[nn.Module], list[nn.Module]]:
+def _candidates(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     """Modules with a registered low-rank class, and unsupported modules that own a matrix.
 
     The subtree below a candidate or a low-rank module is skipped: its children are the parent's
@@ -583,23 +629,13 @@ def _forward_order(model: nn.Module, candidates: list[nn.Module], example_input:
     return order + [m for m in candidates if m not in order]
 
 
-def _first_match(names: list[str], patterns: Iterable[str]) -> str | None:
-    return next((p for p in patterns if any(fnmatch.fnmatchcase(n, p) for n in names)), None)
-
-
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name), child, new)
 
 
 def _shape(module: nn.Module) -> str:
-    weight = getattr(module, "weight", None)
-    if isinstance(weight, torch.Tensor):
-        return "x".join(map(str, weight.shape))
-    if isinstance(module, nn.LSTM):
-        return f"{module.input_size}->{module.hidden_size} x{module.num_layers}"
-    if isinstance(module, nn.MultiheadAttention):
-        return f"embed {module.embed_dim}, {module.num_heads} heads"
-    return "-"
+    """The report's shape column, as the layer class words it (the default for unsupported types)."""
+    return (low_rank_class_for(module) or LowRankModule).shape_summary(module)
 
 

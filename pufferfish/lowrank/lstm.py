@@ -26,15 +26,16 @@ Two kernels compute the same function (``fused``, default False):
   and 1.30x, as the merges cost ``4h·in·r`` per forward pass; docs/benchmarks.md).
 
 ``benchmarks/lstm_kernels.py`` measures both; the training recipe times both on the run's real
-shapes at the switch and keeps the faster (:func:`pufferfish.auto.time_lstm_kernels`).
+shapes at the switch and keeps the faster (:func:`pufferfish.auto.time_kernels`).
 :func:`~pufferfish.count_macs` counts the factorized arithmetic (the loop's) whichever is set.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Self
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -264,6 +265,56 @@ class LowRankLSTM(LowRankModule):
     def factor_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(getattr(self, f"u_{suffix}"), getattr(self, f"v_{suffix}"))
                 for suffix, _, _ in _matrices(self.input_size, self.hidden_size, self.num_layers)]
+
+    # --- what code that reads a model asks (see pufferfish.lowrank.base)
+
+    @classmethod
+    def dense_matrices(cls, dense: nn.LSTM) -> list[torch.Tensor]:
+        """``[W_ih_l0, W_hh_l0, W_ih_l1, ...]``: every gate matrix, each truncated at the rank."""
+        return [p for name, p in dense.named_parameters(recurse=False)
+                if name.startswith("weight_")]
+
+    @classmethod
+    def shape_summary(cls, dense: nn.LSTM) -> str:
+        return f"{dense.input_size}->{dense.hidden_size} x{dense.num_layers}"
+
+    @classmethod
+    def uncounted_macs(cls, dense: nn.LSTM, args: tuple[Any, ...], output: Any) -> int:
+        """``nn.LSTM``'s fused kernel is invisible to the flop counter: per time step and layer
+        ``4h·(in + h)`` MACs."""
+        x = args[0]
+        steps = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
+        macs, width = 0, dense.input_size
+        for _ in range(dense.num_layers):
+            macs += steps * 4 * dense.hidden_size * (width + dense.hidden_size)
+            width = dense.hidden_size
+        return macs
+
+    @classmethod
+    @contextmanager
+    def counting(cls, module: nn.Module) -> Iterator[None]:
+        """A :class:`LowRankLSTM` is counted as its factorized arithmetic (the loop kernel, run
+        while counting) whichever kernel it trains with: the fused kernel is an execution choice
+        made by timing, not a different model."""
+        if not isinstance(module, LowRankLSTM):
+            yield
+            return
+        fused, module.fused = module.fused, False
+        try:
+            yield
+        finally:
+            module.fused = fused
+
+    def kernel_options(self) -> tuple[str, ...]:
+        return ("fused", "loop")
+
+    def current_kernel(self) -> str:
+        return "fused" if self.fused else "loop"
+
+    def use_kernel(self, name: str) -> None:
+        if name not in self.kernel_options():
+            super().use_kernel(name)  # raises, naming the allowed kernels
+        self.fused = name == "fused"
 
     def extra_repr(self) -> str:
         return (f"{self.input_size}, {self.hidden_size}, rank={self.rank}, "
