@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from .config import FIELDS, ConfigError, field_kind
+from .formatting import one_line
 
 __all__ = ["main"]
 
@@ -82,11 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .training.loop import PeerError
 
         if isinstance(e, PeerError):
-            print(f"pufferfish: error: {_one_line(e)}", file=sys.stderr)
+            print(f"pufferfish: error: {one_line(e)}", file=sys.stderr)
             return EXIT_FAILURE
         if not _is_user_error(e):
             raise
-        print(f"pufferfish: error: {_one_line(e)}", file=sys.stderr)
+        print(f"pufferfish: error: {one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
 
 
@@ -102,11 +103,6 @@ def _is_user_error(e: Exception) -> bool:
 
     return isinstance(e, ConfigError | DataError | CheckpointError | TrainingError | ValueError
                       | OSError)
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def _parser() -> argparse.ArgumentParser:

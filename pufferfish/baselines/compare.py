@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, TrainConfig, dump_toml
+from ..formatting import markdown_table
 from ..training import checkpoint as ckpt
 from ..training.metrics import read_metrics
 
@@ -282,9 +283,8 @@ def _table(base: TrainConfig, results: list[dict[str, Any]], target: int | None,
         f"seed {base.seed}, train subset {base.train_subset or 'all'}, test subset "
         f"{base.test_subset or 'all'}; matched parameter target {target:,}" if target else "",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
     ]
+    rows = []
     for r in results:
         macs = f"{r['macs'] / 1e6:.1f}M" + (" (dense)" if r["mode"] == "lth" else "")
         cells = [r["method"], f"{r['params']:,}", f"{r['params_vs_full']:.3f}", macs,
@@ -295,7 +295,8 @@ def _table(base: TrainConfig, results: list[dict[str, Any]], target: int | None,
             cells += [f"{r['latency_b1_ms']:.2f}{dense_note}",
                       f"{r['latency_b128_ms']:.1f}{dense_note}"]
         cells.append(_note(r))
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    lines += markdown_table(head, rows)
     if latency and results:
         lines += ["", f"Latency: this machine's CPU, {results[0]['threads']} thread(s), eval mode, "
                       "median of repeats after a warm-up; a shared machine makes it noisy."]

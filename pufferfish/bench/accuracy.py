@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..formatting import markdown_table
 from . import projection as proj
 from .netns import format_bps
 from .step import METHODS, PUFFERFISH_RANK_RATIO, hook_for
@@ -380,15 +381,15 @@ def _table(table: Sequence[Mapping[str, Any]], points: Sequence[float], regime: 
     head = [regime, "method", "step ms"]
     for p in points:
         head += [f"epoch at −{p:g}", f"s to −{p:g}", f"speed-up (−{p:g})"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for (reg, method), by_point in _pivot(table).items():
         steps = by_point[points[0]]["step_times"]
         full, low = (f"{1e3 * steps[k]:.1f}" for k in ("full", "lowrank"))
         cells = [reg, method, full if full == low else f"{full} → {low}"]
         for p in points:
             cells += _reach_cells(by_point[p], ranges)
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(cells)
+    return markdown_table(head, rows)
 
 
 def markdown(tta: Mapping[str, Any]) -> list[str]:

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from ..distributed.hooks import with_option_fields
+from ..formatting import markdown_table
 from . import accuracy as acc
 from . import projection as proj
 from .accuracy import time_to_accuracy
@@ -681,20 +682,7 @@ def _markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]) -> st
     head = ["method", "bandwidth", "rounds", "step ms", "compute ms", "comm ms", "share",
             "compress ms", "MB/step", "ring MB/step", "params", "speedup vs ddp",
             "predicted ms", "error"]
-    lines += ["", "## Measured", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        speed = "-" if r["speedup_vs_ddp"] is None else (
-            f"{r['speedup_vs_ddp']:.2f}x [{r['spread']['speedup_vs_ddp'][0]:.2f}–"
-            f"{r['spread']['speedup_vs_ddp'][1]:.2f}]")
-        share = r["spread"]["comm_share"]
-        err = "-" if r["prediction_error"] is None else f"{100 * r['prediction_error']:+.0f}%"
-        lines.append("| " + " | ".join([
-            r["method"], r["bandwidth"], str(r["rounds"]), _ms_spread(r, "step_time"),
-            _ms_spread(r, "compute_time"), _ms_spread(r, "comm_time"),
-            f"{100 * r['comm_share']:.0f}% [{100 * share[0]:.0f}–{100 * share[1]:.0f}]",
-            _ms(r["compress_time"]), f"{r['bytes_per_step'] / 1e6:.3f}",
-            f"{r['ring_bytes_per_step'] / 1e6:.3f}", f"{r['params'] / 1e6:.3f}M", speed,
-            _ms(r["predicted_step_time"]), err]) + " |")  # fmt: skip
+    lines += ["", "## Measured", "", *markdown_table(head, map(_measured_cells, rows))]
     lines += _compute_check_markdown(result["compute_check"], [x["bandwidth"]
                                                                for x in result["links"]])
     lines += _projection_markdown(result["projection"])
@@ -710,6 +698,20 @@ def _markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]) -> st
     return "\n".join(lines) + "\n"
 
 
+def _measured_cells(r: dict[str, Any]) -> list[str]:
+    speed = "-" if r["speedup_vs_ddp"] is None else (
+        f"{r['speedup_vs_ddp']:.2f}x [{r['spread']['speedup_vs_ddp'][0]:.2f}–"
+        f"{r['spread']['speedup_vs_ddp'][1]:.2f}]")
+    share = r["spread"]["comm_share"]
+    err = "-" if r["prediction_error"] is None else f"{100 * r['prediction_error']:+.0f}%"
+    return [r["method"], r["bandwidth"], str(r["rounds"]), _ms_spread(r, "step_time"),
+            _ms_spread(r, "compute_time"), _ms_spread(r, "comm_time"),
+            f"{100 * r['comm_share']:.0f}% [{100 * share[0]:.0f}–{100 * share[1]:.0f}]",
+            _ms(r["compress_time"]), f"{r['bytes_per_step'] / 1e6:.3f}",
+            f"{r['ring_bytes_per_step'] / 1e6:.3f}", f"{r['params'] / 1e6:.3f}M", speed,
+            _ms(r["predicted_step_time"]), err]
+
+
 def _compute_check_markdown(check: list[dict[str, Any]], links: list[str]) -> list[str]:
     """Compute-only medians per method on every link: they should agree (no link involved)."""
     if not check or len(links) < 2:
@@ -720,14 +722,11 @@ def _compute_check_markdown(check: list[dict[str, Any]], links: list[str]) -> li
         "A compute-only step sends nothing, so its median should be the same on every link; a "
         "gap above 15% is flagged: the machine's load moved it, and rows that differ by less "
         "than such a gap do not differ.", "",
-        "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
     ]
-    for c in check:
-        cells = [_ms(c["compute_time"].get(text)) for text in links]
-        flag = "**> 15%: noisy**" if c["flagged"] else "ok"
-        lines.append("| " + " | ".join([c["method"], *cells, f"{100 * c['disagreement']:.0f}%",
-                                        flag]) + " |")
-    return lines
+    rows = [[c["method"], *[_ms(c["compute_time"].get(text)) for text in links],
+             f"{100 * c['disagreement']:.0f}%", "**> 15%: noisy**" if c["flagged"] else "ok"]
+            for c in check]
+    return lines + markdown_table(head, rows)
 
 
 def _projection_markdown(projection: dict[str, Any]) -> list[str]:
@@ -747,10 +746,8 @@ def _projection_markdown(projection: dict[str, Any]) -> list[str]:
     ]
     for p in projection["workers"]:
         head = ["method", *[format_bps(b) for b in bws], "crossover vs ddp"]
-        lines += ["", f"### p = {p}", "", "| " + " | ".join(head) + " |",
-                  "|" + "---|" * len(head)]
-        methods = dict.fromkeys(r["method"] for r in rows)
-        for m in methods:
+        table = []
+        for m in dict.fromkeys(r["method"] for r in rows):
             cells = []
             for b in bws:
                 r = next(x for x in rows if x["method"] == m and x["workers"] == p
@@ -758,8 +755,8 @@ def _projection_markdown(projection: dict[str, Any]) -> list[str]:
                 speed = f" ({r['speedup_vs_ddp']:.2f}x)" if r["speedup_vs_ddp"] else ""
                 cells.append(f"{_ms(r['step_time'])}{speed}")
             cross = projection["crossovers"].get(m, {}).get(str(p))
-            text = proj.Crossover(**cross).describe() if cross else "-"
-            lines.append("| " + " | ".join([m, *cells, text]) + " |")
+            table.append([m, *cells, proj.Crossover(**cross).describe() if cross else "-"])
+        lines += ["", f"### p = {p}", "", *markdown_table(head, table)]
     return lines
 
 

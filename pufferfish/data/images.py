@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..formatting import one_line
 from .errors import DataError
 
 __all__ = [
@@ -112,11 +113,6 @@ _ALIASES = {
 
 IDX_IMAGES_MAGIC = 2051  # 0x00000803: unsigned byte, 3 dims
 IDX_LABELS_MAGIC = 2049  # 0x00000801: unsigned byte, 1 dim
-
-
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _check_split(split: str) -> Split:
@@ -218,7 +214,7 @@ def _save_disk_cache(
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}-{split}.", suffix=".part")
     except OSError as e:
         raise DataError(
-            f"{directory}: cannot write tensor cache ({_one_line(e)}); expected a writable directory"
+            f"{directory}: cannot write tensor cache ({one_line(e, with_type=True)}); expected a writable directory"
         ) from e
     try:
         with os.fdopen(fd, "wb") as f:
@@ -240,7 +236,7 @@ def _read_bytes(path: Path) -> bytes:
             raw = gzip.decompress(raw)
     except (OSError, EOFError, zlib.error) as e:
         raise DataError(
-            f"{path}: cannot read ({_one_line(e)}); expected an intact, optionally gzipped IDX file"
+            f"{path}: cannot read ({one_line(e, with_type=True)}); expected an intact, optionally gzipped IDX file"
         ) from e
     return raw
 
@@ -364,7 +360,7 @@ def _load_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
             obj = _NumpyOnlyUnpickler(f, encoding="bytes").load()
     except Exception as e:  # untrusted bytes can fail in many ways; all mean "bad file"
         raise DataError(
-            f"{path}: cannot unpickle CIFAR-10 batch ({_one_line(e)}); expected a pickled dict"
+            f"{path}: cannot unpickle CIFAR-10 batch ({one_line(e, with_type=True)}); expected a pickled dict"
         ) from e
     if not isinstance(obj, dict):
         raise DataError(f"{path}: CIFAR-10 batch is a {type(obj).__name__}; expected a dict")
@@ -386,7 +382,7 @@ def _load_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
         labels_arr = np.asarray(labels, dtype=np.int64)
     except (TypeError, ValueError) as e:
         raise DataError(
-            f"{path}: b'labels' is not a list of ints ({_one_line(e)}); expected N ints"
+            f"{path}: b'labels' is not a list of ints ({one_line(e, with_type=True)}); expected N ints"
         ) from e
     if labels_arr.shape != (len(data),):
         raise DataError(
@@ -472,7 +468,7 @@ def _fetch(url: str, dest: Path, md5: str | None, force: bool, timeout: float) -
     except (urllib.error.URLError, OSError, ValueError) as e:
         if isinstance(e, DataError):
             raise
-        raise DataError(f"{url}: download failed ({_one_line(e)}); expected a reachable URL") from e
+        raise DataError(f"{url}: download failed ({one_line(e, with_type=True)}); expected a reachable URL") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -516,7 +512,7 @@ def _safe_extract(archive: Path, data_dir: Path, root: str) -> Path:
                 shutil.rmtree(tmpdir, ignore_errors=True)
     except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
         raise DataError(
-            f"{archive}: cannot extract ({_one_line(e)}); expected a valid .tar.gz"
+            f"{archive}: cannot extract ({one_line(e, with_type=True)}); expected a valid .tar.gz"
         ) from e
     return data_dir / root
 
@@ -544,7 +540,7 @@ def download(
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(
-            f"{directory}: cannot create download directory ({_one_line(e)}); expected a writable path"
+            f"{directory}: cannot create download directory ({one_line(e, with_type=True)}); expected a writable path"
         ) from e
     url = (base_url or (FASHION_MNIST_URL if key == "fashion-mnist" else CIFAR10_URL)).rstrip(
         "/"

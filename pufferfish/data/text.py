@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from ..formatting import one_line
 from .errors import DataError
 
 __all__ = [
@@ -42,10 +43,6 @@ _VERSE_REF = re.compile(r"^[1-3]?[A-Za-z]+\d+:\d+\s+")
 SplitMode = Literal["interleaved", "contiguous"]
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
 def load_kjv(command: str = "bible", *, timeout: float = 120.0) -> list[str]:
     """Return the 31,102 KJV verses (one string each) with the ``Book1:1`` references stripped.
 
@@ -64,10 +61,10 @@ def load_kjv(command: str = "bible", *, timeout: float = 120.0) -> list[str]:
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         raise DataError(
-            f"'{exe} -f {KJV_RANGE}' failed ({_one_line(str(e))}); expected it to print the KJV"
+            f"'{exe} -f {KJV_RANGE}' failed ({one_line(e)}); expected it to print the KJV"
         ) from e
     if proc.returncode != 0:
-        err = _one_line(proc.stderr.decode("utf-8", "replace"))[:200]
+        err = one_line(proc.stderr.decode("utf-8", "replace"))[:200]
         raise DataError(
             f"'{exe} -f {KJV_RANGE}' exited with status {proc.returncode} ({err}); expected status 0"
         )
@@ -107,7 +104,7 @@ def load_text_file(path: str | os.PathLike[str], encoding: str = "utf-8") -> lis
         ) from e
     except OSError as e:
         raise DataError(
-            f"{p}: cannot read ({_one_line(str(e))}); expected a readable text file"
+            f"{p}: cannot read ({one_line(e)}); expected a readable text file"
         ) from e
     if not text.strip():
         raise DataError(f"{p}: empty text corpus; expected at least one word")
