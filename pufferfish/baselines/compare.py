@@ -41,6 +41,7 @@ from torch import nn
 
 from ..config import ConfigError, TrainConfig, dump_toml
 from ..formatting import markdown_table
+from ..lowrank.factorize import count_params
 from ..training import checkpoint as ckpt
 from ..training.metrics import read_metrics
 
@@ -173,7 +174,7 @@ def compare(base: TrainConfig, out: str | Path, methods: tuple[str, ...] = METHO
     out_dir.mkdir(parents=True, exist_ok=True)
     model, example = build_model(base)
     target = pufferfish_params(base, model, example)
-    dense = sum(p.numel() for p in model.parameters())
+    dense = count_params(model)
     runs: list[tuple[str, TrainConfig]] = []
 
     def config(name: str, **changes: Any) -> TrainConfig:

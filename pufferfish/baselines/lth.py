@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 from ..config import ConfigError, TrainConfig
+from ..lowrank.factorize import count_params
 from ..lowrank.selection import ModuleIndex
 from ..training.method import Change, Method
 from .common import output_layer_name
@@ -141,7 +142,7 @@ class LotteryTicketMethod(Method):
         self.prunable = sum(m.weight.numel() for m in self.modules.values())
         keep = None
         if cfg.target_params:
-            total = sum(p.numel() for p in model.parameters())
+            total = count_params(model)
             keep = cfg.target_params - (total - self.prunable)
             if keep <= 0:
                 raise ConfigError(
@@ -189,12 +190,12 @@ class LotteryTicketMethod(Method):
 
     def nonzero_params(self, model: nn.Module) -> int:
         """All parameters minus the masked weights (what a sparse format would have to store)."""
-        return sum(p.numel() for p in model.parameters()) - (self.prunable - self.alive())
+        return count_params(model) - (self.prunable - self.alive())
 
     def on_epoch_end(self, epoch: int, model: nn.Module) -> dict[str, Any]:
         return {"round": epoch // self.cfg.epochs, "density": self.alive() / self.prunable,
                 "cost_epochs": epoch + 1, "params": self.nonzero_params(model),
-                "dense_params": sum(p.numel() for p in model.parameters())}
+                "dense_params": count_params(model)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"round": self.round, "counts": list(self.counts),

@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..config import ConfigError, TrainConfig
+from ..lowrank.factorize import count_params
 from ..training.method import Change, Method
 from .common import output_layer_name
 
@@ -153,7 +154,7 @@ def _count(graph: Any, model: nn.Module, plan: Plan) -> int:
         for d in graph.get_pruning_group(root, _out_fn(graph, root), idxs):
             side = cut_out if graph.is_out_channel_pruning_fn(d.dep.handler) else cut_in
             side.setdefault(d.dep.target.module, set()).update(int(i) for i in d.idxs)
-    total = sum(p.numel() for p in model.parameters())
+    total = count_params(model)
     for module in set(cut_out) | set(cut_in):
         if not isinstance(module, nn.Conv2d | nn.Linear | _BatchNorm):
             if any(True for _ in module.parameters(recurse=False)):
@@ -228,12 +229,12 @@ class SlimmingMethod(Method):
     def on_epoch_start(self, epoch: int, model: nn.Module) -> Change | None:
         if self.pruned or epoch != self.at:
             return None
-        before = sum(p.numel() for p in model.parameters())
+        before = count_params(model)
         self.plan = choose_plan(model, self.example_input, self.cfg.prune_ratio,
                                 self.cfg.target_params)
         apply_plan(model, self.example_input, self.plan)
         self.pruned = True
-        after = sum(p.numel() for p in model.parameters())
+        after = count_params(model)
         removed = sum(len(idxs) for _, idxs in self.plan)
         goal = (f"target {self.cfg.target_params:,} parameters" if self.cfg.target_params
                 else f"ratio {self.cfg.prune_ratio}")
