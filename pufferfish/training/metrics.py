@@ -9,9 +9,10 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from .checkpoint import atomic_write
 
 __all__ = ["MetricsWriter", "read_metrics"]
 
@@ -79,18 +80,5 @@ def _fmt(column: str, value: Any) -> str:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    """Temp file + fsync + rename: readers (and a resumed run) see the old file or the new one.
-
-    The temp file is removed if the write fails (disk full, Ctrl-C), so nothing half-written is
-    left behind under any name.
-    """
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Readers (and a resumed run) see the old file or the new one (:func:`atomic_write`)."""
+    atomic_write(path, lambda f: f.write(text.encode()))
