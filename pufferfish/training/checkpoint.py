@@ -71,6 +71,7 @@ __all__ = [
     "CheckpointWarning",
     "UnsafeCheckpointError",
     "atomic_write",
+    "atomic_write_text",
     "checkpoint_files",
     "checkpoint_step",
     "find_latest",
@@ -207,6 +208,11 @@ def atomic_write(final: Path, write: Callable[[IO[bytes]], None]) -> None:
             tmp.unlink()
         raise
     _fsync_dir(final.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """:func:`atomic_write` of a small text file (metrics, config, records of the run)."""
+    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def _describe_failure(exc: BaseException) -> str:

@@ -520,7 +520,7 @@ def _signals_deferred() -> Iterator[None]:
 def _write_text(path: Path, text: str) -> None:
     """Write a small run-directory file atomically: a kill leaves the old file or the new one."""
     with _signals_deferred():
-        ckpt.atomic_write(path, lambda f: f.write(text.encode()))
+        ckpt.atomic_write_text(path, text)
 
 
 # -- output ------------------------------------------------------------------------------------

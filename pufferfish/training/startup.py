@@ -261,7 +261,8 @@ def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: 
 # "an earlier run", and they and the checkpoint files are all that --overwrite removes.
 _RUN_FILE = r"(config\.toml|metrics\.(jsonl|csv)|(factorization|channel-pruning|prune-round-\d+)\.(txt|json))"
 _RUN_FILE_RE = re.compile(rf"^{_RUN_FILE}$")
-# Their temp files, left by a kill during a write (metrics.py's, checkpoint._atomic_write's).
+# Their temp files, left by a kill during a write (checkpoint.atomic_write's, and the
+# ``<name>.tmp`` of runs written before every write went through it).
 _RUN_TEMP_RE = re.compile(rf"^({_RUN_FILE}\.tmp|\.{_RUN_FILE}\.[A-Za-z0-9_-]+\.\d+\.[0-9a-f]+\.tmp)$")
 
 
