@@ -17,7 +17,7 @@ from torch import nn
 from .config import TrainConfig
 from .lowrank import LowRankModule, count_macs
 from .switch import FactorizationPlan, Switch, SwitchPolicy
-from .training.methods import Change, Method
+from .training.methods.base import Change, Method
 
 __all__ = ["FullRankMethod", "PufferfishMethod"]
 
@@ -29,9 +29,11 @@ class FullRankMethod(Method):
     name = "full"
 
     def model_figures(self, model: nn.Module, example_input: Any) -> dict[str, Any]:
-        return {**super().model_figures(model, example_input),
+        base = super().model_figures(model, example_input)
+        return {"params": base["params"],
                 "macs": count_macs(model, example_input),  # per example
-                "lowrank": any(isinstance(m, LowRankModule) for m in model.modules())}
+                "lowrank": any(isinstance(m, LowRankModule) for m in model.modules()),
+                **base}
 
 
 class PufferfishMethod(FullRankMethod):

@@ -41,6 +41,7 @@ from torch import nn
 
 from ..config import ConfigError, TrainConfig, dump_toml
 from ..training import checkpoint as ckpt
+from ..training.methods import build_method
 from ..training.metrics import read_metrics
 
 __all__ = ["COMPARED_MODES", "compare", "measure_latency", "pufferfish_params", "ratio_for_params"]
@@ -122,8 +123,6 @@ def load_final_model(cfg: TrainConfig, run_dir: Path) -> tuple[nn.Module, torch.
     Lottery-ticket masks are folded into plain dense weights (``prune.remove``): what a dense
     deployment would run.
     """
-    from ..training.methods import build_method
-
     model, example = build_model(cfg)
     found = ckpt.latest_checkpoint(run_dir)
     if found is None:

@@ -29,7 +29,7 @@ from torch.nn.utils import prune
 
 from ..config import ConfigError, TrainConfig
 from ..method import FullRankMethod
-from ..training.methods import Change
+from ..training.methods.base import Change
 from .common import match_modules, output_layer_name
 
 __all__ = ["LotteryTicketMethod", "prunable_modules", "prune_global", "round_counts"]

@@ -39,7 +39,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..config import ConfigError, TrainConfig
 from ..method import FullRankMethod
-from ..training.methods import Change
+from ..training.methods.base import Change
 from .common import output_layer_name
 
 __all__ = ["Plan", "SlimmingMethod", "apply_plan", "choose_plan", "params_after", "zero_channels"]
