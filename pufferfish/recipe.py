@@ -38,27 +38,27 @@ average out noise and catch a rank that moves and comes back.
 
 from __future__ import annotations
 
-import fnmatch
 import math
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .distributed.env import ddp_options, rewrap_ddp
-from .lowrank import FactorizationReport, factorize
-from .lowrank.factorize import format_table
+from .switch import FactorizationPlan, Switch, SwitchPolicy
 
 __all__ = ["ParameterSwap", "Recipe", "swap_parameters"]
 
 
 class Recipe:
-    """When and how a model is switched from full-rank to low-rank.
+    """When and how a model is switched from full-rank to low-rank, for a hand-written loop.
+
+    A thin facade over :class:`~pufferfish.switch.Switch` (:attr:`switch_owner`: the policy that
+    says when and the plan that says how, with one state): it adds what a hand-written loop needs
+    at the switch, the in-place edit of its optimizer and the re-wrap of its DDP.
 
     Args:
         warmup_epochs: full-rank epochs before the switch (the paper: about 10% of training);
@@ -98,34 +98,27 @@ class Recipe:
         if not isinstance(keep, str) and isinstance(keep, Iterable):
             keep = list(keep)  # checked, then used: an iterator must be read once
         _check_arguments(locals())
-        self.warmup_epochs = warmup_epochs
-        self.rank_ratio = rank_ratio
-        self.max_rank_ratio = max_rank_ratio
-        self.keep_auto = keep == "auto"
-        self.keep = [] if keep == "auto" else ([keep] if isinstance(keep, str) else keep)
-        self.preset = preset
-        self.keep_first = keep_first
-        self.extra_bn = extra_bn
-        self.example_input = example_input
+        policy = SwitchPolicy(warmup_epochs, track=rank_ratio == "auto", min_warmup=min_warmup,
+                              max_warmup=max_warmup, threshold=switch_threshold,
+                              window=switch_window)
+        plan = FactorizationPlan(rank_ratio, keep, max_rank_ratio=max_rank_ratio, preset=preset,
+                                 keep_first=keep_first, extra_bn=extra_bn,
+                                 example_input=example_input)
+        self.switch_owner = Switch(policy, plan)
         self.on_wrap = on_wrap
-        self.switched_at: int | None = None
-        self.report: FactorizationReport | None = None
         self.parameter_swap: ParameterSwap | None = None  # what the switch did to the optimizer
-        self.decisions: dict[str, Any] = {}  # what the automatic choices measured and chose
-        self.tracker: Any = None
-        self.detector: Any = None
-        self._latest: tuple[float, dict[str, float]] | None = None
-        self._decided: dict[int, bool] = {}
-        self._model_checked = False
-        if warmup_epochs == "auto" or rank_ratio == "auto":
-            from .auto import SwitchDetector
+        self._wrapper_checked = False
 
-            self.detector = SwitchDetector(window=switch_window, threshold=switch_threshold,
-                                           min_epochs=min_warmup, max_epochs=max_warmup)
-
-    @property
-    def switched(self) -> bool:
-        return self.switched_at is not None
+    # What the switch owner knows, under the names this class has always had.
+    warmup_epochs = property(lambda self: self.switch_owner.policy.warmup_epochs)
+    rank_ratio = property(lambda self: self.switch_owner.plan.rank_ratio)
+    example_input = property(lambda self: self.switch_owner.plan.example_input)
+    switched_at = property(lambda self: self.switch_owner.policy.switched_at)
+    switched = property(lambda self: self.switch_owner.switched)
+    detector = property(lambda self: self.switch_owner.policy.detector)
+    tracker = property(lambda self: self.switch_owner.policy.tracker)
+    report = property(lambda self: self.switch_owner.plan.report)
+    decisions = property(lambda self: self.switch_owner.plan.decisions)
 
     def observe(self, t: float, model: nn.Module) -> dict[str, float]:
         """Stable ranks of the full-rank layers after ``t`` epochs; feeds the switch detector.
@@ -135,19 +128,8 @@ class Recipe:
         runs. The first call records the stable ranks at initialization (Cuttlefish's reference):
         make it before training, as :meth:`on_epoch_start` does at epoch 0. Cached per ``t``.
         """
-        self._check_model(model)
-        if self.detector is None or self.switched:
-            return {}
-        if self._latest is not None and self._latest[0] == t:
-            return self._latest[1]
-        from .auto import StableRankTracker
-
-        if self.tracker is None:
-            self.tracker = StableRankTracker(_unwrap(model), keep=self._static_keep(model))
-        values = self.tracker.observe(t)
-        self.detector.update(t, values)
-        self._latest = (t, values)
-        return values
+        self._check_wrapper(model)
+        return self.switch_owner.observe(t, _unwrap(model))
 
     def should_switch(self, epoch: int, model: nn.Module) -> bool:
         """Whether to factorize at the start of ``epoch``; the same answer on every rank.
@@ -155,15 +137,8 @@ class Recipe:
         With ``warmup_epochs="auto"``: at the first epoch boundary at or after the detector fired
         (it may fire between boundaries when observed every N steps).
         """
-        self._check_model(model)
-        if self.switched:
-            return False
-        if self.warmup_epochs != "auto":
-            return epoch >= self.warmup_epochs
-        if epoch not in self._decided:  # one agreement per epoch
-            self.observe(epoch, model)
-            self._decided[epoch] = bool(_agree(self.detector.switched_at is not None))
-        return self._decided[epoch]
+        self._check_wrapper(model)
+        return self.switch_owner.due(epoch, _unwrap(model))
 
     def on_epoch_start(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                        scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
@@ -179,123 +154,29 @@ class Recipe:
             self.observe(0, model)
         return model, optimizer, scheduler
 
-    def _check_model(self, model: nn.Module) -> None:
-        """At the first call: the keep patterns, preset and DDP wrapper fit ``model``.
-
-        ``factorize`` itself checks, on a plan that replaces nothing (``include=[]``), so that a
-        typo fails now, with factorize's message, and not at the switch.
-        """
-        if self._model_checked or self.switched:
-            return
-        with warnings.catch_warnings():  # "changed nothing" is this dry run's purpose
-            warnings.simplefilter("ignore", UserWarning)
-            factorize(_unwrap(model), keep=list(self.keep), preset=self.preset,
-                      keep_first=self.keep_first, include=[])
-        if isinstance(model, DistributedDataParallel):
-            ddp_options(model)  # a wrapper that cannot be rebuilt fails now
-        self._model_checked = True
-
-    def _static_keep(self, model: nn.Module) -> list[str]:
-        keep = list(self.keep)
-        if self.preset is not None:
-            keep += (getattr(model, "PRESETS", {}) or {}).get(self.preset, {}).get("keep", [])
-        return keep
+    def _check_wrapper(self, model: nn.Module) -> None:
+        """At the first call: a DDP wrapper that could not be rebuilt at the switch fails now."""
+        if not self._wrapper_checked and not self.switched \
+                and isinstance(model, DistributedDataParallel):
+            ddp_options(model)
+        self._wrapper_checked = True
 
     def factorize_kwargs(self, model: nn.Module) -> dict[str, Any]:
         """The arguments of :func:`pufferfish.factorize` this recipe uses for ``model``."""
-        kwargs: dict[str, Any] = dict(keep=list(self.keep), preset=self.preset,
-                                      keep_first=self.keep_first, extra_bn=self.extra_bn,
-                                      example_input=self.example_input)
-        if self.rank_ratio == "auto":
-            from .auto import choose_ranks
-
-            if self.tracker is None:
-                raise ValueError("rank_ratio='auto' needs the stable ranks at initialization: "
-                                 "call observe(0, model) (or on_epoch_start) before training")
-            ranks = _agree(choose_ranks(self.tracker, keep=self._static_keep(model),
-                                        max_ratio=self.max_rank_ratio))
-            self.decisions["ranks"] = ranks
-            kwargs["overrides"] = ranks
-            kwargs["rank_ratio"] = 1.0  # unused: every candidate has an override
-        else:
-            kwargs["rank_ratio"] = float(self.rank_ratio)
-        if self.keep_auto:
-            from .auto import budget_params, profile_keep
-            from .lowrank.factorize import factorizable_modules
-
-            static = self._static_keep(model)
-            ranks = kwargs.get("overrides") or {
-                name: kwargs["rank_ratio"] for name in factorizable_modules(model)}
-            ranks = {n: r for n, r in ranks.items()
-                     if not any(fnmatch.fnmatchcase(n, p) for p in static)}
-            budget = (budget_params(model, self.max_rank_ratio, keep=static)
-                      if self.rank_ratio == "auto" and self.max_rank_ratio is not None else None)
-            keep, measured = profile_keep(model, self.example_input, ranks,
-                                          extra_bn=self.extra_bn, max_params=budget)
-            keep = _agree(keep)  # timings differ across ranks: rank 0 decides for all
-            self.decisions["keep_auto"] = {"keep": keep, "measurements": _agree(measured)}
-            kwargs["keep"] += keep
-        return kwargs
+        return self.switch_owner.plan.factorize_kwargs(_unwrap(model), self.tracker)
 
     def describe_decisions(self) -> str:
         """The automatic choices of the last switch as text, for the factorization report."""
-        lines: list[str] = []
-        if self.warmup_epochs == "auto" and self.switched:
-            d = self.detector
-            why = (f"reached the cap max_warmup={d.max_epochs:g} before every stable rank settled"
-                   if d.reason != "settled" else
-                   f"every stable rank changed < {d.threshold:g}/epoch over {d.window:g} "
-                   f"epoch(s) at epoch {d.switched_at:.2f}")
-            lines.append(f"switch epoch (auto): {self.switched_at} ({why})")
-        ranks = self.decisions.get("ranks")
-        if ranks and self.tracker is not None:
-            now = self._latest[1] if self._latest is not None else {}
-            budget = "none" if self.max_rank_ratio is None else f"{self.max_rank_ratio:g} of full"
-            lines.append(f"ranks (auto, Cuttlefish rule, budget {budget}):")
-            rows = [("module", "stable rank at init", "now", "rank")]
-            rows += [(n, f"{self.tracker.initial.get(n, float('nan')):.2f}",
-                      f"{now.get(n, float('nan')):.2f}", str(r)) for n, r in ranks.items()]
-            lines += format_table(rows, indent="  ")
-        measured = (self.decisions.get("keep_auto") or {}).get("measurements")
-        if measured:
-            lines.append("full-rank layers (auto, forward+backward profile on this run's shapes):")
-            rows = [("module", "rank", "dense ms", "low-rank ms", "speed-up", "param share",
-                     "decision")]
-            fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-            rows += [(n, str(m.get("rank")), fmt(m.get("dense_ms"), ".3f"),
-                      fmt(m.get("lowrank_ms"), ".3f"), fmt(m.get("speedup"), ".2f"),
-                      fmt(m.get("param_saving_share"), ".2%"), str(m.get("decision")))
-                     for n, m in measured.items()]
-            lines += format_table(rows, indent="  ")
-        for name, k in (self.decisions.get("lstm_kernels") or {}).items():
-            lines.append(f"LSTM kernel of {name} (forward+backward on this run's shapes): fused "
-                         f"{k['fused_ms']:.3f} ms, loop {k['loop_ms']:.3f} ms -> {k['kernel']}")
-        return "\n".join(lines)
+        return self.switch_owner.describe()
 
     def state_dict(self) -> dict[str, Any]:
-        """Progress to checkpoint: switch epoch, and the stable-rank record of automatic runs."""
-        state: dict[str, Any] = {"switched_at": self.switched_at}
-        if self.tracker is not None:
-            state["initial"] = dict(self.tracker.initial)
-            state["history"] = {k: [list(p) for p in v] for k, v in self.tracker.history.items()}
-        return state
+        """Progress to checkpoint: switch epoch, the stable-rank record of automatic runs, and
+        the factorized ranks and kernels (:meth:`pufferfish.switch.Switch.state_dict`)."""
+        return self.switch_owner.state_dict()
 
     def load_state_dict(self, state: dict[str, Any], model: nn.Module) -> None:
         """Restore :meth:`state_dict` (before the switch: ``model`` is still full-rank)."""
-        self.switched_at = state.get("switched_at")
-        if "initial" in state and not self.switched:
-            from .auto import StableRankTracker
-
-            self.tracker = StableRankTracker(_unwrap(model), keep=self._static_keep(model))
-            self.tracker.initial = dict(state["initial"])
-            self.tracker.history = {k: [tuple(p) for p in v] for k, v in state["history"].items()}
-            # Replay the detector over the recorded history so that it decides as it would have.
-            times = sorted({t for points in self.tracker.history.values() for t, _ in points})
-            for t in times:
-                values = {k: v for k, points in self.tracker.history.items()
-                          for tt, v in points if tt == t}
-                self.detector.update(t, values)
-                self._latest = (t, values)
+        self.switch_owner.load_state_dict(state, model)
 
     def switch(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
@@ -305,31 +186,10 @@ class Recipe:
         objects, edited in place (what changed is in :attr:`parameter_swap`); ``model`` is a new
         wrapper when it was a DDP wrapper, else the same module.
         """
-        self._check_model(model)
+        self._check_wrapper(model)
         inner = _unwrap(model)
-        if self.warmup_epochs == "auto":
-            d = self.detector
-            self.decisions["switch"] = {
-                "epoch": epoch, "fired_at": d.switched_at, "reason": d.reason,
-                "threshold": d.threshold, "window": d.window, "max_epochs": d.max_epochs,
-                "change_per_epoch": {n: d.smoothed_change(n) for n in d.values}}
-        if self.tracker is not None:
-            self.decisions["stable_ranks"] = {"initial": dict(self.tracker.initial),
-                                              "history": dict(self.tracker.history)}
-        kwargs = self.factorize_kwargs(inner)
         before = dict(inner.named_parameters(remove_duplicate=False))
-        self.report = factorize(inner, **kwargs)
-        if self.example_input is not None:
-            from .auto import time_lstm_kernels
-
-            # Same function, device- and size-dependent cost: run the faster kernel (rank 0's
-            # timing, so that every replica runs the same one).
-            kernels = _agree(time_lstm_kernels(inner, self.example_input))
-            for name, k in kernels.items():
-                inner.get_submodule(name).use_kernel(k["kernel"])
-            if kernels:
-                self.decisions["lstm_kernels"] = kernels
-        self.switched_at = epoch
+        self.switch_owner.switch(epoch, inner)
         if optimizer is not None:
             self.parameter_swap = swap_parameters(
                 optimizer, before, dict(inner.named_parameters(remove_duplicate=False)))
@@ -469,15 +329,6 @@ def _within(name: str, module: str) -> bool:
 
 def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def _agree(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank, so that data-dependent decisions cannot diverge."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _check_arguments(args: Mapping[str, Any]) -> None:

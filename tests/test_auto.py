@@ -18,7 +18,7 @@ from pufferfish.auto import (
     profile_keep,
     saving_cap,
     stable_rank,
-    time_lstm_kernels,
+    time_kernels,
 )
 from pufferfish.lowrank import LowRankConv2d, LowRankLinear, LowRankLSTM, factorize
 from pufferfish.lowrank.factorize import factorizable_modules
@@ -264,11 +264,11 @@ def test_lstm_kernels_are_timed_and_the_recipe_runs_the_faster() -> None:
     _, info = profile_keep(model, x, {"rnn": 6}, repeats=3)
     m = info["rnn"]  # judged by the faster of the two kernels
     assert set(m["kernel_ms"]) == {"fused", "loop"} and m["lowrank_ms"] == min(m["kernel_ms"].values())
-    assert time_lstm_kernels(model, x) == {}  # nothing factorized yet
+    assert time_kernels(model, x) == {}  # nothing factorized yet
     recipe = pf.Recipe(warmup_epochs=0, rank_ratio=0.25, example_input=x)
     recipe.switch(0, model, None)
     assert isinstance(model.rnn, LowRankLSTM)
-    chosen = recipe.decisions["lstm_kernels"]["rnn"]
+    chosen = recipe.decisions["kernels"]["rnn"]
     assert chosen["fused_ms"] > 0 and chosen["loop_ms"] > 0
     assert chosen["kernel"] == ("fused" if chosen["fused_ms"] <= chosen["loop_ms"] else "loop")
     assert model.rnn.fused == (chosen["kernel"] == "fused")

@@ -96,7 +96,7 @@ def test_two_process_automatic_lm_run_agrees_on_every_decision(tmp_path: Path) -
                      "--out", str(out), torchrun=2)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads((out / "factorization.json").read_text())
-    kernel = record["decisions"]["lstm_kernels"]["rnn"]["kernel"]
+    kernel = record["decisions"]["kernels"]["rnn"]["kernel"]
     assert kernel in ("fused", "loop")
     assert f"-> {kernel}" in (out / "factorization.txt").read_text()
     rows = metrics(out)

@@ -156,7 +156,7 @@ def test_lth_state_is_weights_only_and_restore_rebuilds_the_masks() -> None:
     saved = torch.load(buf, weights_only=True)
     fresh, again = small(), LotteryTicketMethod(cfg)
     again.setup(fresh, X, cfg)
-    again.restore(saved["method"], fresh)
+    again.load_state_dict(saved["method"], fresh)
     fresh.load_state_dict(saved["model"])  # strict: weight_orig/weight_mask keys exist
     assert again.alive() == method.alive() and again.round == 1
     fresh.eval(), model.eval()
@@ -213,7 +213,7 @@ def test_slimming_l1_phase_then_cut_and_restore_replays_the_plan() -> None:
     saved = torch.load(buf, weights_only=True)
     fresh, again = small(), SlimmingMethod(cfg)
     again.setup(fresh, X, cfg)
-    again.restore(saved["method"], fresh)
+    again.load_state_dict(saved["method"], fresh)
     fresh.load_state_dict(saved["model"])
     assert fresh.training and again.pruned
     fresh.eval(), model.eval()

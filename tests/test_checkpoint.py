@@ -27,11 +27,9 @@ from pufferfish.training.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     UnsafeCheckpointError,
-    capture_rng_state,
     checkpoint_step,
     latest_checkpoint,
     load_checkpoint,
-    restore_rng_state,
     save_checkpoint,
     verify_compatible,
 )
@@ -106,19 +104,6 @@ def test_round_trip_realistic_state_weights_only(tmp_path: Path) -> None:
     assert loaded["architecture"] == state["architecture"]
     assert loaded["config"] == state["config"]
     assert loaded["step"] == 7
-
-
-def test_capture_restore_rng_state(tmp_path: Path) -> None:
-    random.seed(1)
-    np.random.seed(2)
-    torch.manual_seed(3)
-    np.random.standard_normal()  # leaves a cached gaussian in numpy's state
-    save_checkpoint(tmp_path, {"rng": capture_rng_state()}, step=1)
-    expected = (random.random(), np.random.standard_normal(), torch.rand(2))
-    loaded, _ = latest_checkpoint(tmp_path)  # type: ignore[misc]
-    restore_rng_state(loaded["rng"])
-    got = (random.random(), np.random.standard_normal(), torch.rand(2))
-    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
 
 
 def test_save_refuses_state_that_would_not_load(tmp_path: Path) -> None:

@@ -101,7 +101,8 @@ def test_elastic_restart_gives_the_same_final_state(uninterrupted: Path, tmp_pat
     assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
     for i, s in a["optimizer"]["state"].items():
         assert torch.equal(s["momentum_buffer"], b["optimizer"]["state"][i]["momentum_buffer"])
-    for ha, hb in zip(a["hook_states"], b["hook_states"], strict=True):  # top-k residuals
+    for rank_a, rank_b in zip(a["ranks"], b["ranks"], strict=True):  # top-k residuals
+        ha, hb = rank_a["hook"], rank_b["hook"]
         for key, t in ha["residual"].items():
             assert torch.equal(t, hb["residual"][key])
     assert a["method"] == b["method"]

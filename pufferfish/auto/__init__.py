@@ -41,7 +41,7 @@ Typical use::
 from .detector import SwitchDetector
 from .frobenius import frobenius_decay, frobenius_decay_params
 from .keep import profile_keep
-from .kernels import time_kernels, time_lstm_kernels
+from .kernels import time_kernels
 from .ranks import budget_params, choose_ranks, saving_cap
 from .stable_rank import StableRankTracker, layer_matrix, layer_stable_rank, stable_rank
 
@@ -58,5 +58,4 @@ __all__ = [
     "saving_cap",
     "stable_rank",
     "time_kernels",
-    "time_lstm_kernels",
 ]

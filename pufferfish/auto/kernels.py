@@ -10,7 +10,7 @@ from torch import nn
 from ..lowrank.base import LowRankModule
 from . import timing
 
-__all__ = ["kernel_variants", "time_kernels", "time_lstm_kernels"]
+__all__ = ["kernel_variants", "time_kernels"]
 
 
 def time_kernels(model: nn.Module, example_input: Any, repeats: int = 5,
@@ -46,7 +46,6 @@ def time_kernels(model: nn.Module, example_input: Any, repeats: int = 5,
     return found
 
 
-time_lstm_kernels = time_kernels  # its name when LowRankLSTM was the only layer with two kernels
 
 
 def kernel_variants(layer: LowRankModule) -> dict[str | None, LowRankModule]:

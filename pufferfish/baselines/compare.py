@@ -43,11 +43,12 @@ from ..config import ConfigError, TrainConfig, dump_toml
 from ..formatting import markdown_table
 from ..lowrank.factorize import count_params
 from ..training import checkpoint as ckpt
+from ..training.methods import build_method
 from ..training.metrics import read_metrics
 
-__all__ = ["METHODS", "compare", "measure_latency", "pufferfish_params", "ratio_for_params"]
+__all__ = ["COMPARED_MODES", "compare", "measure_latency", "pufferfish_params", "ratio_for_params"]
 
-METHODS = ("full", "pufferfish", "lth", "prune")
+COMPARED_MODES = ("full", "pufferfish", "lth", "prune")
 
 
 def build_model(cfg: TrainConfig) -> tuple[nn.Module, torch.Tensor]:
@@ -118,13 +119,12 @@ def measure_latency(model: nn.Module, example: torch.Tensor, batch: int, repeats
 
 
 def load_final_model(cfg: TrainConfig, run_dir: Path) -> tuple[nn.Module, torch.Tensor]:
-    """The run's final network, rebuilt the way resume rebuilds it (method.restore, then weights).
+    """The run's final network, rebuilt the way resume rebuilds it (the method's state, then the
+    weights).
 
     Lottery-ticket masks are folded into plain dense weights (``prune.remove``): what a dense
     deployment would run.
     """
-    from ..training.methods import build_method
-
     model, example = build_model(cfg)
     found = ckpt.latest_checkpoint(run_dir)
     if found is None:
@@ -132,7 +132,7 @@ def load_final_model(cfg: TrainConfig, run_dir: Path) -> tuple[nn.Module, torch.
     saved, _ = found
     method = build_method(cfg)
     method.setup(model, example, cfg)
-    method.restore(saved["method"], model)
+    method.load_state_dict(saved["method"], model)
     model.load_state_dict(saved["model"])
     from torch.nn.utils import prune
 
@@ -162,14 +162,14 @@ def _run(cfg: TrainConfig, workers: int, log: Path) -> None:
                            f"(log: {log})")
 
 
-def compare(base: TrainConfig, out: str | Path, methods: tuple[str, ...] = METHODS,
+def compare(base: TrainConfig, out: str | Path, methods: tuple[str, ...] = COMPARED_MODES,
             matched: bool = False, workers: int = 1, repeats: int = 20,
             latency: bool = True) -> str:
     """Run the methods on ``base``'s data and schedule under ``out``; return the Markdown table."""
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in COMPARED_MODES]
     if unknown or not methods:
         raise ConfigError(f"methods {','.join(methods)!r} is invalid: allowed a subset of "
-                          f"{','.join(METHODS)}")
+                          f"{','.join(COMPARED_MODES)}")
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     model, example = build_model(base)

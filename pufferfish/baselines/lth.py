@@ -30,7 +30,8 @@ from torch.nn.utils import prune
 from ..config import ConfigError, TrainConfig
 from ..lowrank.factorize import count_params
 from ..lowrank.selection import ModuleIndex
-from ..training.method import Change, Method
+from ..method import FullRankMethod
+from ..training.methods.base import Change
 from .common import output_layer_name
 
 __all__ = ["LotteryTicketMethod", "prunable_modules", "prune_global", "round_counts"]
@@ -123,7 +124,7 @@ def apply_mask(module: nn.Module, mask: torch.Tensor) -> None:
         prune.custom_from_mask(module, "weight", mask.to(module.weight.device))
 
 
-class LotteryTicketMethod(Method):
+class LotteryTicketMethod(FullRankMethod):
     """Iterative magnitude pruning with rewinding (see the module docstring)."""
 
     name = "lth"
@@ -202,7 +203,7 @@ class LotteryTicketMethod(Method):
                 "masks": {k: v.cpu() for k, v in self.masks.items()},
                 "rewind": {k: v.cpu() for k, v in self.rewind.items()}}
 
-    def restore(self, state: dict[str, Any], model: nn.Module) -> None:
+    def load_state_dict(self, state: dict[str, Any], model: nn.Module) -> None:
         """Re-install the saved masks so the checkpoint's ``weight_orig``/``weight_mask`` fit."""
         if list(state["counts"]) != self.counts:
             raise ConfigError(f"lth schedule {self.counts} differs from the checkpoint's "

@@ -39,7 +39,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..config import ConfigError, TrainConfig
 from ..lowrank.factorize import count_params
-from ..training.method import Change, Method
+from ..method import FullRankMethod
+from ..training.methods.base import Change
 from .common import output_layer_name
 
 __all__ = ["Plan", "SlimmingMethod", "apply_plan", "choose_plan", "params_after", "zero_channels"]
@@ -203,7 +204,7 @@ def zero_channels(model: nn.Module, example_input: Any, plan: Plan) -> None:
                     module.bias[list(d.idxs)] = 0
 
 
-class SlimmingMethod(Method):
+class SlimmingMethod(FullRankMethod):
     """L1 on BatchNorm scales, one global channel cut at ``prune_epoch``, then fine-tuning."""
 
     name = "prune"
@@ -251,7 +252,7 @@ class SlimmingMethod(Method):
     def state_dict(self) -> dict[str, Any]:
         return {"pruned": self.pruned, "plan": [[name, list(idxs)] for name, idxs in self.plan]}
 
-    def restore(self, state: dict[str, Any], model: nn.Module) -> None:
+    def load_state_dict(self, state: dict[str, Any], model: nn.Module) -> None:
         """Replay the saved plan on the freshly built model: the checkpoint's shapes, exactly."""
         self.plan = [[name, [int(i) for i in idxs]] for name, idxs in state["plan"]]
         self.pruned = bool(state["pruned"])

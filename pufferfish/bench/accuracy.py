@@ -31,7 +31,7 @@ from typing import Any
 from ..formatting import markdown_table
 from . import projection as proj
 from .netns import format_bps
-from .step import METHODS, PUFFERFISH_RANK_RATIO, hook_for
+from .step import BENCH_METHODS, PUFFERFISH_RANK_RATIO, hook_for
 
 __all__ = [
     "FASHION_MNIST_TRAIN",
@@ -91,9 +91,9 @@ def parse_accuracy_runs(spec: str) -> dict[str, Path]:
         if not sep or not method or not path:
             raise ValueError(f"--accuracy-runs entry {item!r} is invalid: allowed METHOD=RUN_DIR, "
                              "e.g. ddp=runs/full,pufferfish=runs/pufferfish")
-        if method not in METHODS:
+        if method not in BENCH_METHODS:
             raise ValueError(f"unknown method {method!r} in --accuracy-runs: allowed "
-                             + ", ".join(METHODS))
+                             + ", ".join(BENCH_METHODS))
         if method in runs:
             raise ValueError(f"--accuracy-runs names method {method!r} twice")
         runs[method] = Path(path)
@@ -161,7 +161,7 @@ def phase_methods(method: str) -> tuple[str, str]:
     factorized, hook = hook_for(method)
     if not factorized:
         return method, method
-    full = next(m for m, (f, h) in METHODS.items() if not f and h == hook)
+    full = next(m for m, (f, h) in BENCH_METHODS.items() if not f and h == hook)
     return full, method
 
 

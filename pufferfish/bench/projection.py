@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..distributed.hooks import hook_family
-from .step import METHODS
+from .step import BENCH_METHODS
 
 __all__ = [
     "ALLGATHER_METHODS",
@@ -56,7 +56,7 @@ DEFAULT_WORKERS: tuple[int, ...] = (8, 16, 64)
 DEFAULT_BANDWIDTHS: tuple[float, ...] = (1e9, 10e9, 100e9)  # bits/s
 # Methods whose hook sends its payload with an all-gather (the hook registry says which).
 ALLGATHER_METHODS = frozenset(
-    method for method, (_, hook) in METHODS.items() if hook_family(hook).collective == "allgather"
+    method for method, (_, hook) in BENCH_METHODS.items() if hook_family(hook).collective == "allgather"
 )
 
 Kind = Literal["allreduce", "allgather"]

@@ -73,7 +73,7 @@ from .netns import (
     run_workers,
 )
 from .rounds import compute_check, round_plan, summarize
-from .step import HOOK_DEFAULTS, HOOK_OPTIONS, METHODS, hook_for
+from .step import BENCH_METHODS, HOOK_DEFAULTS, HOOK_OPTIONS, hook_for
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -138,7 +138,7 @@ class BenchConfig:
             )
         if not self.methods:
             raise ValueError("--methods is empty: allowed a comma-separated list of "
-                             + ", ".join(METHODS))
+                             + ", ".join(BENCH_METHODS))
         for m in self.methods:
             hook_for(m)
         if len(set(self.methods)) != len(self.methods):
@@ -234,7 +234,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=d.model, help=f"{', '.join(IMAGE_MODELS)}")
     ap.add_argument("--width", type=float, default=d.width, help="channel multiplier")
     ap.add_argument("--methods", default=",".join(d.methods),
-                    help=f"comma-separated, from: {', '.join(METHODS)}")
+                    help=f"comma-separated, from: {', '.join(BENCH_METHODS)}")
     ap.add_argument("--bandwidth", default="loopback",
                     help="comma-separated: loopback and/or emulated rates such as 1gbit,100mbit "
                          "(emulation needs root + iproute2 and exactly 2 workers)")

@@ -13,9 +13,13 @@ What is measured, per rank and method, after ``--warmup`` full steps (DDP re-buc
 its first step and PowerSGD starts compressing at step ``--powersgd-start-iter``, so
 warm-up must cover both):
 
+Every step is the training loop's own step function
+(:func:`pufferfish.training.step.train_step`: forward, zero_grad, backward, optimizer step;
+no AMP, clipping or non-finite vote, which would add a collective).
+
 ``compute_time``
-    Median of ``--compute-steps`` steps (zero_grad, forward, backward, optimizer step)
-    run under ``ddp.no_sync()``: the same work with no gradient communication at all.
+    Median of ``--compute-steps`` steps run under ``ddp.no_sync()``: the same work with
+    no gradient communication at all.
     The model and optimizer are restored after each, so the replicas do not drift.
 ``step_time``
     Median of ``--steps`` full DDP steps with the method's comm hook, each started
@@ -60,13 +64,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..distributed.env import cleanup, exit_process
 from ..distributed.hooks import all_hook_options, hook_names, hook_options
+from ..training.step import Replica, train_step
 
-__all__ = ["HOOK_DEFAULTS", "HOOK_OPTIONS", "METHODS", "PUFFERFISH_RANK_RATIO", "hook_for", "main",
-           "method_options"]
+__all__ = ["BENCH_METHODS", "HOOK_DEFAULTS", "HOOK_OPTIONS", "PUFFERFISH_RANK_RATIO", "hook_for",
+           "main", "method_options"]
 
 # method -> (factorize the model?, comm hook): plain DDP, every registered comm hook, Pufferfish
 # with plain all-reduce and with PowerSGD.
-METHODS: dict[str, tuple[bool, str]] = {
+BENCH_METHODS: dict[str, tuple[bool, str]] = {
     "ddp": (False, "allreduce"),
     **{hook: (False, hook) for hook in hook_names() if hook != "allreduce"},
     "pufferfish": (True, "allreduce"),
@@ -90,9 +95,10 @@ _NO_BUFFER_SYNC = (
 def hook_for(method: str) -> tuple[bool, str]:
     """``(factorized, hook name)`` of a benchmark method; ``ValueError`` names the allowed ones."""
     try:
-        return METHODS[method]
+        return BENCH_METHODS[method]
     except KeyError:
-        raise ValueError(f"unknown method {method!r}: allowed {', '.join(METHODS)}") from None
+        raise ValueError(
+            f"unknown method {method!r}: allowed {', '.join(BENCH_METHODS)}") from None
 
 
 def method_options(hook: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -103,8 +109,9 @@ def method_options(hook: str, args: argparse.Namespace) -> dict[str, Any]:
 def _method_list(text: str) -> list[str]:
     methods = [m.strip() for m in text.split(",") if m.strip()]
     for m in methods:
-        if m not in METHODS:
-            raise argparse.ArgumentTypeError(f"unknown method {m!r}: allowed {', '.join(METHODS)}")
+        if m not in BENCH_METHODS:
+            raise argparse.ArgumentTypeError(
+                f"unknown method {m!r}: allowed {', '.join(BENCH_METHODS)}")
     if not methods:
         raise argparse.ArgumentTypeError("no method given")
     return methods
@@ -113,7 +120,8 @@ def _method_list(text: str) -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m pufferfish.bench.step", description=__doc__)
     ap.add_argument("--methods", required=True, type=_method_list,
-                    help=f"comma-separated, measured in this order; from {', '.join(METHODS)}")
+                    help="comma-separated, measured in this order; from "
+                    + ", ".join(BENCH_METHODS))
     ap.add_argument("--model", default="resnet18")
     ap.add_argument("--width", type=float, default=0.5)
     ap.add_argument("--batch-size", type=int, default=128)
@@ -166,11 +174,9 @@ def _build(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, int]:
     return model, full
 
 
-def _train_step(ddp: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> None:
+def _train_step(replica: Replica, batch: Any) -> None:
     x, y = batch
-    opt.zero_grad(set_to_none=True)
-    F.cross_entropy(ddp(x), y).backward()
-    opt.step()
+    train_step(replica, lambda: F.cross_entropy(replica.wrapped(x), y))
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -197,10 +203,11 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
     ddp = DistributedDataParallel(model, **_NO_BUFFER_SYNC)
     state = register_comm_hook(ddp, hook, **method_options(hook, args))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+    replica = Replica(model, ddp, opt, hook_state=state)
     batches = iter(minibatches)
 
     for _ in range(args.warmup):
-        _train_step(ddp, opt, next(batches))
+        _train_step(replica, next(batches))
 
     # Compute-only and full steps alternate, so that both medians see the same machine load
     # (other processes come and go on a shared machine).
@@ -214,7 +221,7 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
             saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
             batch = next(batches)
             with ddp.no_sync():
-                compute.append(_timed(lambda b=batch: _train_step(ddp, opt, b)))
+                compute.append(_timed(lambda b=batch: _train_step(replica, b)))
             model.load_state_dict(saved[0])
             opt.load_state_dict(saved[1])
         if i < args.steps:
@@ -223,7 +230,7 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
             dist.barrier()
             batch = next(batches)
             state.stats.reset()
-            steps.append(_timed(lambda b=batch: _train_step(ddp, opt, b)))
+            steps.append(_timed(lambda b=batch: _train_step(replica, b)))
             stats.append(state.stats.snapshot())
 
     def median_of(key: str) -> float:

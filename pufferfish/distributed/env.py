@@ -318,9 +318,12 @@ def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
     return t.tolist()
 
 
-def broadcast_object(obj: Any, env: DistEnv) -> Any:
-    """Rank 0's ``obj`` on every rank (decisions that must agree, e.g. the switch epoch)."""
-    if not env.distributed:
+def broadcast_object(obj: Any, env: DistEnv | None = None) -> Any:
+    """Rank 0's ``obj`` on every rank (decisions that must agree, e.g. the switch epoch).
+
+    Without ``env``: over the default process group if one is initialized (a user's own loop).
+    """
+    if not (env.distributed if env is not None else dist.is_available() and dist.is_initialized()):
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)

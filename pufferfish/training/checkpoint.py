@@ -37,8 +37,7 @@ What ``state`` may contain (everything else is refused at save time, naming the 
   straight back to ``random.setstate``.
 * ``numpy.random.get_state()`` contains an ``ndarray``, and numpy scalars
   (``np.float64`` metrics, ...) are numpy objects: convert them (``float(x)``,
-  ``torch.from_numpy(a)``). :func:`capture_rng_state` / :func:`restore_rng_state`
-  do this for all RNGs.
+  ``torch.from_numpy(a)``).
 * ``namedtuple``, dataclasses, ``defaultdict``, ``pathlib.Path``, enums: convert to
   plain dicts / lists / strings.
 """
@@ -52,7 +51,6 @@ import json
 import math
 import os
 import pickle
-import random
 import re
 import secrets
 import socket
@@ -72,14 +70,14 @@ __all__ = [
     "CheckpointError",
     "CheckpointWarning",
     "UnsafeCheckpointError",
-    "capture_rng_state",
+    "atomic_write",
+    "atomic_write_text",
     "checkpoint_files",
     "checkpoint_step",
     "find_latest",
     "latest_checkpoint",
     "load_checkpoint",
     "rejection",
-    "restore_rng_state",
     "save_checkpoint",
     "set_aside",
     "verify_compatible",
@@ -192,7 +190,7 @@ class _HashingWriter:
         self._f.flush()
 
 
-def _atomic_write(final: Path, write: Callable[[IO[bytes]], None]) -> None:
+def atomic_write(final: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write ``final`` via temp file + fsync + rename + directory fsync.
 
     On any failure the temp file is removed and the exception propagates; ``final`` is
@@ -210,6 +208,11 @@ def _atomic_write(final: Path, write: Callable[[IO[bytes]], None]) -> None:
             tmp.unlink()
         raise
     _fsync_dir(final.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """:func:`atomic_write` of a small text file (metrics, config, records of the run)."""
+    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def _describe_failure(exc: BaseException) -> str:
@@ -372,10 +375,10 @@ def save_checkpoint(
 
     current = pt_path
     try:
-        _atomic_write(pt_path, write_payload)
+        atomic_write(pt_path, write_payload)
         faults.strike("save-manifest", step)
         current = manifest_path
-        _atomic_write(manifest_path, write_manifest)
+        atomic_write(manifest_path, write_manifest)
     except Exception as exc:
         # A payload without a manifest is useless; remove it so it neither wastes the
         # space that just ran out nor triggers "skipped incomplete" warnings later.
@@ -708,63 +711,3 @@ def verify_compatible(
             f"{what} mismatch between checkpoint and this run: "
             f"{'; '.join(diffs[:_MAX_REPORTED])}{more}"
         )
-
-
-# ------------------------------------------------------------------------- RNG
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Snapshot python, numpy, torch (and CUDA) RNGs in a ``weights_only``-loadable form.
-
-    numpy's state contains an ``ndarray``, which ``weights_only`` refuses; it is stored
-    as an int64 tensor plus plain numbers. ``random.getstate()`` (a tuple of ints) is
-    stored unchanged.
-    """
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        np = None  # type: ignore[assignment]
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-        state["numpy"] = {
-            "kind": str(kind),
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what :func:`capture_rng_state` captured (missing parts are left alone)."""
-    if "python" in state:
-        version, internal, gauss = state["python"]
-        random.setstate((int(version), tuple(int(x) for x in internal), gauss))
-    if "torch" in state:
-        torch.set_rng_state(state["torch"].cpu())
-    if "numpy" in state:
-        import numpy as np
-
-        npst = state["numpy"]
-        np.random.set_state((
-            npst["kind"],
-            npst["keys"].numpy().astype(np.uint32),
-            int(npst["pos"]),
-            int(npst["has_gauss"]),
-            float(npst["cached_gaussian"]),
-        ))
-    if "cuda" in state and torch.cuda.is_available():
-        cuda_states = list(state["cuda"])
-        if len(cuda_states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all([s.cpu() for s in cuda_states])
-        else:
-            warnings.warn(
-                f"checkpoint has CUDA RNG state for {len(cuda_states)} devices, this run has "
-                f"{torch.cuda.device_count()}; CUDA RNG not restored",
-                CheckpointWarning,
-                stacklevel=2,
-            )

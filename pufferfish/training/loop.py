@@ -1,10 +1,16 @@
 """The one training loop, whatever the task (images or language) and the method.
 
 Full-rank, Pufferfish, low-rank-from-the-start and the pruning baselines differ only in the
-:class:`~pufferfish.training.method.Method` the loop is given; the comm hook is a config value. The
-loop knows nothing of low rank: at each epoch start it asks the method, and when the method has
-changed the model it rebuilds what depends on the parameters (optimizer, DDP wrapper, comm hook)
-through the same function that built them at the start.
+:class:`~pufferfish.training.methods.Method` the loop is given; the comm hook is a config value.
+The loop knows nothing of low rank: at each epoch start it asks the method, and when the method
+has changed the model it rebuilds what depends on the parameters (optimizer, DDP wrapper, comm
+hook) through the same function that built them at the start. Reading order: :func:`train`,
+:func:`_train` (set-up, resume, the epochs), :func:`_train_epoch`, :func:`_step` (the one
+:func:`~pufferfish.training.step.train_step` with this run's options), :func:`_checkpoint`.
+
+Resume: every stateful part of a run saves and loads its own state, and a checkpoint holds them
+by name (:func:`_components`): the method, the model, the optimizer, the AMP scaler and the run's
+progress once, and each rank's comm-hook state, epoch meter and task state in ``"ranks"``.
 
 Determinism: every random draw is a function of ``(seed, epoch, step, rank)``: the data order of an
 epoch comes from ``seed + epoch``, and the global RNG (dropout, augmentation) is reseeded at every
@@ -28,7 +34,6 @@ import os
 import re
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,14 +46,12 @@ from ..config import TrainConfig, dump_toml
 from ..data import DataError
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
-from ..lowrank import count_macs
-from ..lowrank.base import LowRankModule
 from . import checkpoint as ckpt
-from . import faults, startup
-from .method import Change, Method
-from .methods import build_method
+from . import faults, startup, tasks
+from .methods import Change, Method, build_method
 from .metrics import MetricsWriter
 from .schedule import lr_at
+from .step import EpochMeter, Replica, train_step
 from .tasks import Task, build_task
 
 __all__ = ["PeerError", "TrainingError", "train"]
@@ -66,22 +69,30 @@ class PeerError(RuntimeError):
     """
 
 
-
-
 @dataclass
-class RunState:
-    """What the loop mutates as it goes; everything a checkpoint must capture."""
+class Progress:
+    """Where the run is; also what the RNG is at, as every draw is a function of it."""
 
-    model: nn.Module  # the unwrapped model
-    wrapped: nn.Module  # the DDP wrapper (or the model itself on one process)
-    optimizer: torch.optim.Optimizer
-    hook_state: Any = None
-    scaler: Any = None
     epoch: int = 0
     step_in_epoch: int = 0  # steps of ``epoch`` already taken
     global_step: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        self.global_step = state["global_step"]
+
+
+@dataclass
+class Run(Replica):
+    """What the loop mutates as it goes: the replica being trained, and where it is."""
+
+    progress: Progress = field(default_factory=Progress)
+    meter: EpochMeter = field(default_factory=EpochMeter)
+    figures: dict[str, Any] | None = None  # the method's model figures, until the next change
     last_checkpoint: Path | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]]:
@@ -124,7 +135,7 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     startup.check_config_agrees(cfg, env)
     # Before anything is written or loaded: rank 0 decides what happens to the run directory
     # (resume, start, or refuse) and every rank learns it.
-    resumed = startup.find_resume_point(cfg, env, run_dir)
+    resumed = startup.find_resume_point(cfg, env, run_dir, (*tasks.RUN_FIELDS, *method.run_fields))
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     task = build_task(cfg, env)
     model = task.model.to(env.device)
@@ -133,94 +144,47 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     startup.check_agree(env, "the data or the checkpoint to resume", {
         **startup.data_fingerprint(task),
         "resume_from": None if resumed is None else resumed[1].name}, DataError)
-
-    if resumed is not None:
-        saved, path = resumed
-        method.restore(saved["method"], model)  # e.g. rebuild the factorized architecture
-        startup.load_model(model, saved["model"], path)
-        # Rows of epochs completed before the checkpoint stay; a row of the epoch being redone
-        # (written just before a kill that beat the epoch-end checkpoint) goes.
-        with _signals_deferred():
-            writer.truncate(saved["epoch"])
-    state = _prepare(cfg, model, env)
-    if resumed is not None:
-        state.optimizer.load_state_dict(saved["optimizer"])
-        state.epoch, state.step_in_epoch = saved["epoch"], saved["step_in_epoch"]
-        state.global_step = saved["global_step"]
-        state.extra = saved.get("extra", {})
-        if state.scaler is not None and saved.get("scaler"):
-            state.scaler.load_state_dict(saved["scaler"])
-        if state.hook_state is not None and saved.get("hook_states"):
-            state.hook_state.load_state_dict(saved["hook_states"][env.rank])
-        # Per-rank progress within the epoch: this rank's own running loss (so the epoch's mean
-        # is summed in the same order as without the interruption) and the task's carried state.
-        rank_states = saved.get("rank_states") or []
-        mine = rank_states[env.rank] if env.rank < len(rank_states) else {}
-        if rank_states:  # (older checkpoints held rank 0's running loss in "extra")
-            state.extra.pop("partial", None)
-        if mine.get("partial"):
-            state.extra["partial"] = mine["partial"]
-        if mine.get("task"):
-            state.extra["task_state"] = mine["task"]
-        state.last_checkpoint = path
-        dist_env.say(env, f"resumed from {path} at epoch {state.epoch}, step {state.step_in_epoch}")
-    if env.is_main:
-        # The effective configuration, also on resume (flags may have changed, e.g. --epochs), so
-        # that a later --resume continues this run as it is now; without the resume request, and
-        # without --overwrite (a later fork from this run must not inherit it).
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _write_text(run_dir / "config.toml",
-                    dump_toml(dataclasses.replace(cfg, resume="", overwrite=False)))
-    dist_env.say(env, "configuration:\n" + _indent(dump_toml(cfg)))
-    dist_env.say(env, f"{cfg.model} on {cfg.data}, mode {cfg.mode}: {env.world_size} process(es), "
-              f"backend {env.backend or 'none'}, device {env.device}, comm {cfg.comm}")
+    if resumed is None:
+        run = _prepare(cfg, model, env, method)
+    else:
+        run = _resume(cfg, env, method, task, model, *resumed)
+        with _signals_deferred():  # rows of the epoch being redone go
+            writer.truncate(run.progress.epoch)
+    _write_config(cfg, env, run_dir)
 
     total = method.total_epochs(cfg)
-    while state.epoch < total:
-        epoch = state.epoch
-        if state.step_in_epoch == 0:
-            change = method.on_epoch_start(epoch, state.model)
-            if change is not None:
-                _rebuild(cfg, state, env, change, run_dir)
-        row = _train_epoch(cfg, task, state, env, run_dir, method)
-        row.update(task.evaluate(state.model, env))
-        row.update(_model_figures(state, task))
-        row.update(method.on_epoch_end(epoch, state.model))
+    while run.progress.epoch < total:
+        epoch = run.progress.epoch
+        if run.progress.step_in_epoch == 0:
+            _start_epoch(cfg, env, run, method, task, run_dir)
+        row = _train_epoch(cfg, env, run, method, task, run_dir)
+        row.update(task.evaluate(run.model, env))
+        if run.figures is None:  # recounted only when the method changed the model
+            run.figures = method.model_figures(run.model, task.example_input(env.device))
+        row.update(run.figures)
+        row.update(method.on_epoch_end(epoch, run.model))
         with _signals_deferred():
             writer.write(row)
         dist_env.say(env, _summary(row, total))
-        state.epoch, state.step_in_epoch = epoch + 1, 0
+        run.progress.epoch, run.progress.step_in_epoch = epoch + 1, 0
         if (epoch + 1) % cfg.checkpoint_every_epochs == 0 or epoch + 1 == total:
-            _checkpoint(cfg, state, env, run_dir, method, task)
+            _checkpoint(cfg, env, run, method, task, run_dir)
     if env.is_main:
         dist_env.say(env, writer.final_table())
     return writer.rows
 
 
-# -- set-up ------------------------------------------------------------------------------------
+# -- set-up and resume -------------------------------------------------------------------------
 
-def param_groups(cfg: TrainConfig, model: nn.Module) -> list[dict[str, Any]]:
-    """One group with plain weight decay; factor weights go without it under Frobenius decay."""
-    if cfg.frobenius_decay <= 0:
-        return [{"params": list(model.parameters()), "weight_decay": cfg.weight_decay}]
-    from ..auto import frobenius_decay_params
-
-    factors = {id(p) for p in frobenius_decay_params(model)}
-    rest = [p for p in model.parameters() if id(p) not in factors]
-    return [{"params": rest, "weight_decay": cfg.weight_decay},
-            {"params": [p for p in model.parameters() if id(p) in factors], "weight_decay": 0.0}]
-
-
-def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv) -> RunState:
-    """Optimizer, DDP wrapper and comm hook for the model as it is now (start and switch)."""
-    optimizer = torch.optim.SGD(param_groups(cfg, model), lr=cfg.lr, momentum=cfg.momentum,
-                                nesterov=cfg.nesterov and cfg.momentum > 0,
+def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method) -> Run:
+    """Optimizer, DDP wrapper, comm hook and AMP scaler for the model as it is now."""
+    optimizer = torch.optim.SGD(method.param_groups(model, cfg), lr=cfg.lr,
+                                momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
                                 weight_decay=cfg.weight_decay)
     wrapped = dist_env.wrap_ddp(model, env)
-    hook_state = _register_hook(cfg, wrapped, env)
     scaler = (torch.amp.GradScaler("cuda") if cfg.amp and env.device.type == "cuda" else None)
-    return RunState(model=model, wrapped=wrapped, optimizer=optimizer, hook_state=hook_state,
-                    scaler=scaler)
+    return Run(model=model, wrapped=wrapped, optimizer=optimizer, scaler=scaler,
+               hook_state=_register_hook(cfg, wrapped, env))
 
 
 def _register_hook(cfg: TrainConfig, wrapped: nn.Module, env: DistEnv) -> Any:
@@ -231,12 +195,64 @@ def _register_hook(cfg: TrainConfig, wrapped: nn.Module, env: DistEnv) -> Any:
     return register_comm_hook(wrapped, cfg.comm, **hook_options(cfg.comm, cfg))
 
 
-def _rebuild(cfg: TrainConfig, state: RunState, env: DistEnv, change: Change,
-             run_dir: Path) -> None:
-    """After the method changed the model: new optimizer (fresh state), DDP wrapper, comm hook."""
-    fresh = _prepare(cfg, state.model, env)
-    state.optimizer, state.wrapped, state.hook_state = fresh.optimizer, fresh.wrapped, fresh.hook_state
-    state.extra.pop("macs", None)
+def _components(run: Run, method: Method, task: Task) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The run's stateful parts by checkpoint key: shared by all ranks (rank 0's saved), and
+    each rank's own (saved by every rank). Each has ``state_dict``/``load_state_dict``."""
+    shared = {"method": method, "model": run.model, "optimizer": run.optimizer,
+              "scaler": run.scaler, "progress": run.progress}
+    per_rank = {"hook": run.hook_state, "meter": run.meter, "task": task}
+    return shared, per_rank
+
+
+def _resume(cfg: TrainConfig, env: DistEnv, method: Method, task: Task, model: nn.Module,
+            saved: dict[str, Any], path: Path) -> Run:
+    """The run as the checkpoint ``saved`` left it: the architecture and weights first (the
+    optimizer is built on them), then every other component from its own entry."""
+    method.load_state_dict(saved["method"], model)  # e.g. rebuild the factorized architecture
+    startup.load_model(model, saved["model"], path)
+    run = _prepare(cfg, model, env, method)
+    shared, per_rank = _components(run, method, task)
+    del shared["method"], shared["model"]  # loaded above
+    ranks = saved.get("ranks") or []
+    mine = ranks[env.rank] if env.rank < len(ranks) else {}
+    for components, states in ((shared, saved), (per_rank, mine)):
+        for name, component in components.items():
+            if component is not None and states.get(name):  # e.g. no scaler on CPU
+                component.load_state_dict(states[name])
+    run.last_checkpoint = path
+    dist_env.say(env, f"resumed from {path} at epoch {run.progress.epoch}, "
+                      f"step {run.progress.step_in_epoch}")
+    return run
+
+
+def _write_config(cfg: TrainConfig, env: DistEnv, run_dir: Path) -> None:
+    if env.is_main:
+        # The effective configuration, also on resume (flags may have changed, e.g. --epochs), so
+        # that a later --resume continues this run as it is now; without the resume request, and
+        # without --overwrite (a later fork from this run must not inherit it).
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_text(run_dir / "config.toml",
+                    dump_toml(dataclasses.replace(cfg, resume="", overwrite=False)))
+    dist_env.say(env, "configuration:\n" + _indent(dump_toml(cfg)))
+    dist_env.say(env, f"{cfg.model} on {cfg.data}, mode {cfg.mode}: {env.world_size} process(es), "
+                      f"backend {env.backend or 'none'}, device {env.device}, comm {cfg.comm}")
+
+
+def _start_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
+                 run_dir: Path) -> None:
+    """Before an epoch's first step: the method's change of the model, if any, then a fresh
+    optimizer (its state reset), DDP wrapper and comm hook for the changed parameters."""
+    task.start_epoch(run.progress.epoch)
+    change = method.on_epoch_start(run.progress.epoch, run.model)
+    if change is None:
+        return
+    fresh = _prepare(cfg, run.model, env, method)
+    run.optimizer, run.wrapped, run.hook_state = fresh.optimizer, fresh.wrapped, fresh.hook_state
+    run.figures = None
+    _record_change(env, change, run_dir)
+
+
+def _record_change(env: DistEnv, change: Change, run_dir: Path) -> None:
     dist_env.say(env, change.text)
     if env.is_main:
         _write_text(run_dir / f"{change.name}.txt", change.text + "\n")
@@ -244,122 +260,101 @@ def _rebuild(cfg: TrainConfig, state: RunState, env: DistEnv, change: Change,
                     json.dumps(change.record, indent=1, default=str))
 
 
-# -- one epoch ---------------------------------------------------------------------------------
+# -- one epoch, one step -----------------------------------------------------------------------
 
-def _train_epoch(cfg: TrainConfig, task: Task, state: RunState, env: DistEnv, run_dir: Path,
-                 method: Method) -> dict[str, Any]:
-    loader = task.train_loader
-    loader.set_epoch(state.epoch)
+def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
+                 run_dir: Path) -> dict[str, Any]:
+    """The epoch's remaining steps (all of them, unless resumed mid-epoch); its metrics row."""
+    loader, progress = task.train_loader, run.progress
+    loader.set_epoch(progress.epoch)
     steps = len(loader)
-    state.wrapped.train()
-    task.start_epoch(state.epoch)
-    task_state = state.extra.pop("task_state", None)
-    if task_state:  # mid-epoch resume: e.g. the LSTM's hidden state carried across BPTT chunks
-        _load_task_state(task, task_state, env.device)
-    amp = _autocast(cfg, env)
-    # A mid-epoch resume continues the epoch's running loss where the checkpoint left it.
-    partial = state.extra.pop("partial", None) or {"loss_sum": 0.0, "n_steps": 0}
-    loss_sum = torch.tensor(partial["loss_sum"], dtype=torch.float64)
-    n_steps, compute, data_wait = partial["n_steps"], 0.0, 0.0
-    skipped = partial.get("skipped", 0)  # steps whose update was skipped (--nonfinite skip)
-    local_steps = 0  # steps taken by this process in this epoch (the comm stats cover these)
-    if state.hook_state is not None:
-        state.hook_state.stats.reset()
-    from tqdm import tqdm
-
-    bar = tqdm(total=steps, initial=state.step_in_epoch, desc=f"epoch {state.epoch + 1}/{cfg.epochs}",
-               disable=not (env.is_main and cfg.progress), leave=False, mininterval=1.0)
-    start = time.perf_counter()
-    t0 = start
+    run.wrapped.train()
+    if run.hook_state is not None:
+        run.hook_state.stats.reset()
+    bar = _progress_bar(cfg, env, progress, steps)
+    run.meter.start()
     for i, batch in enumerate(loader):
-        if i < state.step_in_epoch:  # resuming mid-epoch: these steps were taken before
+        if i < progress.step_in_epoch:  # resuming mid-epoch: these steps were taken before
             continue
-        t1 = time.perf_counter()
-        data_wait += t1 - t0
-        faults.strike("step", state.global_step, env.rank)  # tests and benchmarks/faults.sh
-        torch.manual_seed(_step_seed(cfg.seed, state.epoch, i, env.rank))
-        lr = lr_at(cfg, method.schedule_step(state.global_step, steps), steps)
-        for group in state.optimizer.param_groups:
-            group["lr"] = lr
-        batch = task.to_device(batch, env.device)
-        # Skipping a step must also undo what the forward pass itself changed: BatchNorm running
-        # statistics (a NaN batch would poison them for good) and the task's carried state.
-        undo = _snapshot(state.model, task) if cfg.nonfinite == "skip" else None
-        with amp:
-            loss = task.loss(state.wrapped, batch)
-            if cfg.frobenius_decay > 0:
-                from ..auto import frobenius_decay
-
-                loss = loss + frobenius_decay(state.model, cfg.frobenius_decay)
-            extra = method.extra_loss(state.model)
-            if extra is not None:
-                loss = loss + extra
-        state.optimizer.zero_grad(set_to_none=True)
-        if state.scaler is not None:
-            state.scaler.scale(loss).backward()
-            state.scaler.unscale_(state.optimizer)
-        else:
-            loss.backward()
-        if cfg.grad_clip > 0:
-            nn.utils.clip_grad_norm_(state.model.parameters(), cfg.grad_clip)
-        grads = [p.grad for p in state.model.parameters() if p.grad is not None]
-        bad = _nonfinite_votes(loss, grads if state.scaler is None else [],
-                               list(state.model.buffers()), env)
-        if bad is not None:
-            if cfg.nonfinite == "stop":
-                raise TrainingError(
-                    f"non-finite {bad} at epoch {state.epoch}, step {i} (global step "
-                    f"{state.global_step}); last good checkpoint: "
-                    f"{state.last_checkpoint or 'none'}; lower --lr, set --grad-clip, or use "
-                    "--nonfinite skip")
-            state.optimizer.zero_grad(set_to_none=True)  # the step is skipped on every rank
-            if undo is not None:
-                undo()
-            if state.scaler is not None:
-                state.scaler.update()
-            skipped += 1
-        elif state.scaler is not None:
-            state.scaler.step(state.optimizer)
-            state.scaler.update()
-        else:
-            state.optimizer.step()
-        if bad is None:
-            loss_sum += loss.detach().double().cpu()
-            n_steps += 1
-        local_steps += 1
-        state.global_step += 1
-        state.step_in_epoch = i + 1
-        method.on_step_end(state.epoch, i + 1, steps, state.model)
-        t0 = time.perf_counter()
-        compute += t0 - t1
+        run.meter.batch_ready()
+        lr = lr_at(cfg, method.schedule_step(progress.global_step, steps), steps)
+        loss, bad = _step(cfg, env, run, method, task, batch, i, lr)
+        progress.global_step += 1
+        progress.step_in_epoch = i + 1
+        method.on_step_end(progress.epoch, i + 1, steps, run.model)
+        run.meter.step_done(loss, applied=bad is None)
         bar.update(1)
         if env.is_main and i % 10 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.3g}")
-        if cfg.checkpoint_every_steps and state.global_step % cfg.checkpoint_every_steps == 0 \
-                and state.step_in_epoch < steps:
-            state.extra["partial"] = {"loss_sum": loss_sum.item(), "n_steps": n_steps,
-                                      "skipped": skipped}
-            _checkpoint(cfg, state, env, run_dir, method, task)
-            state.extra.pop("partial")
+        if cfg.checkpoint_every_steps and progress.global_step % cfg.checkpoint_every_steps == 0 \
+                and progress.step_in_epoch < steps:
+            _checkpoint(cfg, env, run, method, task, run_dir)
     bar.close()
-    epoch_time = time.perf_counter() - start
-    total_loss, total_steps = dist_env.all_reduce_sum([loss_sum.item(), n_steps], env)
-    row: dict[str, Any] = {
-        "epoch": state.epoch + 1,
+    return _epoch_row(cfg, env, run, method, steps)
+
+
+def _step(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task, batch: Any,
+          i: int, lr: float) -> tuple[torch.Tensor, str | None]:
+    """Step ``i`` of the epoch: seeded, at learning rate ``lr``, its non-finite policy applied."""
+    progress = run.progress
+    faults.strike("step", progress.global_step, env.rank)  # tests and benchmarks/faults.sh
+    torch.manual_seed(_step_seed(cfg.seed, progress.epoch, i, env.rank))
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    batch = task.to_device(batch, env.device)
+
+    def compute_loss() -> torch.Tensor:
+        loss = task.loss(run.wrapped, batch)
+        extra = method.extra_loss(run.model)
+        return loss if extra is None else loss + extra
+
+    def vote(loss: torch.Tensor) -> str | None:
+        grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+        return _nonfinite_votes(loss, grads if run.scaler is None else [],
+                                list(run.model.buffers()), env)
+
+    # Skipping a step must also undo what the forward pass itself changed: BatchNorm running
+    # statistics (a NaN batch would poison them for good) and the task's carried state.
+    undo = _snapshot(run.model, task) if cfg.nonfinite == "skip" else None
+    loss, bad = train_step(run, compute_loss, autocast=_autocast(cfg, env),
+                           grad_clip=cfg.grad_clip, vote=vote, undo=undo)
+    if bad is not None and cfg.nonfinite == "stop":
+        raise TrainingError(
+            f"non-finite {bad} at epoch {progress.epoch}, step {i} (global step "
+            f"{progress.global_step}); last good checkpoint: {run.last_checkpoint or 'none'}; "
+            "lower --lr, set --grad-clip, or use --nonfinite skip")
+    return loss, bad
+
+
+def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
+               steps: int) -> dict[str, Any]:
+    """The epoch's metrics: its mean loss over all ranks, times, and the comm hook's counts."""
+    counts = run.meter.finish()
+    total_loss, total_steps = dist_env.all_reduce_sum([counts["loss_sum"], counts["n_steps"]], env)
+    stats = run.hook_state.stats.snapshot() if run.hook_state is not None else {}
+    last = run.progress.global_step - 1
+    return {
+        "epoch": run.progress.epoch + 1,
         # Mean over the steps that were applied (NaN if every step of the epoch was skipped).
         "train_loss": total_loss / total_steps if total_steps else float("nan"),
-        "skipped_steps": skipped,
-        "lr": lr_at(cfg, method.schedule_step(state.global_step - 1, steps), steps),
-        "epoch_time": epoch_time,
-        "compute_time": compute,
-        "data_time": data_wait,
+        "skipped_steps": counts["skipped_steps"],
+        "lr": lr_at(cfg, method.schedule_step(last, steps), steps),
+        "epoch_time": counts["epoch_time"],
+        "compute_time": counts["compute_time"],
+        "data_time": counts["data_time"],
+        # Per step this process took: after a mid-epoch resume the stats cover only those.
+        "comm_bytes_per_step": stats.get("bytes_sent", 0.0) / max(1, counts["local_steps"]),
+        "compress_time": stats.get("compress_time", 0.0),
+        "comm_time": stats.get("comm_time", 0.0),
     }
-    stats = state.hook_state.stats.snapshot() if state.hook_state is not None else {}
-    # Per step this process took: after a mid-epoch resume the stats cover only those.
-    row["comm_bytes_per_step"] = stats.get("bytes_sent", 0.0) / max(1, local_steps)
-    row["compress_time"] = stats.get("compress_time", 0.0)
-    row["comm_time"] = stats.get("comm_time", 0.0)
-    return row
+
+
+def _progress_bar(cfg: TrainConfig, env: DistEnv, progress: Progress, steps: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=steps, initial=progress.step_in_epoch,
+                desc=f"epoch {progress.epoch + 1}/{cfg.epochs}",
+                disable=not (env.is_main and cfg.progress), leave=False, mininterval=1.0)
 
 
 def _autocast(cfg: TrainConfig, env: DistEnv) -> contextlib.AbstractContextManager:
@@ -374,61 +369,34 @@ def _step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + epoch * 100_003 + step * 101 + rank) % (2**63)
 
 
-def _model_figures(state: RunState, task: Task) -> dict[str, Any]:
-    if "macs" not in state.extra:  # per example; recounted only when the architecture changes
-        device = next(state.model.parameters()).device
-        state.extra["macs"] = count_macs(state.model, task.example_input(device))
-    trainable = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
-    return {"params": sum(p.numel() for p in state.model.parameters()),
-            "macs": state.extra["macs"],
-            "lowrank": any(isinstance(m, LowRankModule) for m in state.model.modules()),
-            "grad_bytes": 4 * trainable}
-
-
 # -- checkpoints -------------------------------------------------------------------------------
 
-def _checkpoint(cfg: TrainConfig, state: RunState, env: DistEnv, run_dir: Path,
-                method: Method, task: Task) -> None:
-    """Rank 0 writes the checkpoint; every rank learns whether it worked.
+def _checkpoint(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
+                run_dir: Path) -> None:
+    """Rank 0 writes every component's state (:func:`_components`); every rank learns whether
+    it worked.
 
-    Per-rank state (comm hook memory; mid-epoch, each rank's running loss and the task's carried
-    state such as the LSTM's hidden state) is all-gathered so one file resumes every rank exactly.
-    The outcome is broadcast instead
-    of a bare barrier, so a failed write (disk full, permissions) stops every rank at once with
-    rank 0's message, not rank 0 alone while the others wait out the timeout.
+    Per-rank states are all-gathered so one file resumes every rank exactly. The outcome is
+    broadcast instead of a bare barrier, so a failed write (disk full, permissions) stops every
+    rank at once with rank 0's message, not rank 0 alone while the others wait out the timeout.
     """
-    finite = _all_finite([*state.model.state_dict().values(), *_tensors(state.optimizer.state)])
+    progress = run.progress
+    finite = _all_finite([*run.model.state_dict().values(), *_tensors(run.optimizer.state)])
     if dist_env.all_reduce_sum([0.0 if finite else 1.0], env)[0]:
         # The steps' losses and gradients were finite but the update overflowed the weights.
         raise TrainingError(
-            f"non-finite parameters or optimizer state after epoch {state.epoch}, step "
-            f"{state.step_in_epoch} (global step {state.global_step}): not saved; last good "
-            f"checkpoint: {state.last_checkpoint or 'none'}; lower --lr or set --grad-clip")
-    hook_states = dist_env.gather_object(state.hook_state.state_dict() if state.hook_state is not None else None,
-                          env)
-    rank_state: dict[str, Any] = {}
-    if state.step_in_epoch:
-        rank_state["partial"] = state.extra.get("partial")
-        rank_state["task"] = _task_state(task)
-    rank_states = dist_env.gather_object(rank_state, env)
+            f"non-finite parameters or optimizer state after epoch {progress.epoch}, step "
+            f"{progress.step_in_epoch} (global step {progress.global_step}): not saved; last "
+            f"good checkpoint: {run.last_checkpoint or 'none'}; lower --lr or set --grad-clip")
+    shared, per_rank = _components(run, method, task)
+    ranks = dist_env.gather_object(_states(per_rank), env)
     written = error = None
     if env.is_main:
-        payload = {
-            "model": state.model.state_dict(),
-            "optimizer": state.optimizer.state_dict(),
-            "scaler": state.scaler.state_dict() if state.scaler is not None else {},
-            "epoch": state.epoch,
-            "step_in_epoch": state.step_in_epoch,
-            "global_step": state.global_step,
-            "world_size": env.world_size,
-            "method": method.state_dict(),
-            "config": cfg.to_dict(),
-            "hook_states": hook_states if state.hook_state is not None else [],
-            "rank_states": rank_states if any(rank_states) else [],
-        }
+        payload = {"config": cfg.to_dict(), "world_size": env.world_size, **_states(shared),
+                   "ranks": ranks}
         try:
             with _signals_deferred():  # Ctrl-C / SIGTERM wait for the write (or its cleanup)
-                written = str(ckpt.save_checkpoint(run_dir, payload, state.global_step,
+                written = str(ckpt.save_checkpoint(run_dir, payload, progress.global_step,
                                                    keep_last=cfg.keep_checkpoints))
         except ckpt.CheckpointError as e:
             error = str(e)
@@ -436,7 +404,12 @@ def _checkpoint(cfg: TrainConfig, state: RunState, env: DistEnv, run_dir: Path,
     written, error = dist_env.broadcast_object((written, error), env)
     if error is not None:
         raise ckpt.CheckpointError(error if env.is_main else f"rank 0 failed: {error}")
-    state.last_checkpoint = Path(written)  # every rank can name the last good checkpoint
+    run.last_checkpoint = Path(written)  # every rank can name the last good checkpoint
+
+
+def _states(components: dict[str, Any]) -> dict[str, Any]:
+    """Each component's ``state_dict()`` by name (None for a component this run has not)."""
+    return {name: None if c is None else c.state_dict() for name, c in components.items()}
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -448,19 +421,6 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, list | tuple):
         return [t for v in obj for t in _tensors(v)]
     return []
-
-
-def _task_state(task: Task) -> dict[str, Any]:
-    """What a task carries from step to step within an epoch (the LSTM's hidden state), on CPU."""
-    hidden = getattr(task, "hidden", None)
-    if hidden is None:
-        return {}
-    return {"hidden": [h.detach().cpu() for h in hidden]}
-
-
-def _load_task_state(task: Task, saved: dict[str, Any], device: torch.device) -> None:
-    if saved.get("hidden") is not None and hasattr(task, "hidden"):
-        task.hidden = tuple(h.to(device) for h in saved["hidden"])
 
 
 # -- failures, signals and files ---------------------------------------------------------------
@@ -487,14 +447,13 @@ def _gloo_text(e: BaseException) -> str:
 def _snapshot(model: nn.Module, task: Task) -> Callable[[], None]:
     """A function that restores the model's buffers and the task's carried state as they are now."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    hidden = getattr(task, "hidden", None)
+    carried = task.state_dict()
 
     def restore() -> None:
         with torch.no_grad():
             for live, saved in buffers:
                 live.copy_(saved)
-        if hasattr(task, "hidden"):
-            task.hidden = hidden
+        task.load_state_dict(carried)
 
     return restore
 
@@ -552,11 +511,8 @@ def _signals_deferred() -> Iterator[None]:
 
 def _write_text(path: Path, text: str) -> None:
     """Write a small run-directory file atomically: a kill leaves the old file or the new one."""
-    def write(f: Any) -> None:
-        f.write(text.encode())
-
     with _signals_deferred():
-        ckpt._atomic_write(path, write)
+        ckpt.atomic_write_text(path, text)
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -568,7 +524,11 @@ def _indent(text: str) -> str:
 def _summary(row: dict[str, Any], total_epochs: int) -> str:
     quality = (f"test_ppl {row['test_ppl']:.1f}" if "test_ppl" in row
                else f"test_acc {100 * row['test_acc']:.2f}%")
-    return (f"epoch {row['epoch']}/{total_epochs} | train_loss {row['train_loss']:.4f} | {quality} | "
-            f"params {row['params'] / 1e6:.2f}M | MACs {row['macs'] / 1e6:.1f}M | "
-            f"{'low-rank' if row['lowrank'] else 'full-rank'} | {row['epoch_time']:.1f}s "
-            f"(compute {row['compute_time']:.1f}s) | {row['comm_bytes_per_step'] / 1e6:.2f} MB/step")
+    size = f"params {row['params'] / 1e6:.2f}M | "
+    if "macs" in row:  # the model figures of the method (FullRankMethod's and its subclasses')
+        size += f"MACs {row['macs'] / 1e6:.1f}M | "
+    if "lowrank" in row:
+        size += f"{'low-rank' if row['lowrank'] else 'full-rank'} | "
+    return (f"epoch {row['epoch']}/{total_epochs} | train_loss {row['train_loss']:.4f} | "
+            f"{quality} | {size}{row['epoch_time']:.1f}s (compute {row['compute_time']:.1f}s) | "
+            f"{row['comm_bytes_per_step'] / 1e6:.2f} MB/step")

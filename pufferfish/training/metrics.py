@@ -9,9 +9,10 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from .checkpoint import atomic_write_text
 
 __all__ = ["MetricsWriter", "read_metrics"]
 
@@ -41,15 +42,15 @@ class MetricsWriter:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.run_dir / "metrics.jsonl",
-                      "".join(json.dumps(r, default=float) + "\n" for r in self.rows))
+        atomic_write_text(self.run_dir / "metrics.jsonl",
+                          "".join(json.dumps(r, default=float) + "\n" for r in self.rows))
         columns = [k for k in dict.fromkeys(k for r in self.rows for k in r)
                    if not isinstance(self.rows[0].get(k), dict)] if self.rows else []
         buf = io.StringIO()
         w = csv.DictWriter(buf, columns, extrasaction="ignore")
         w.writeheader()
         w.writerows(self.rows)
-        _atomic_write(self.run_dir / "metrics.csv", buf.getvalue())
+        atomic_write_text(self.run_dir / "metrics.csv", buf.getvalue())
 
     def final_table(self) -> str:
         """A Markdown table of every epoch, printed at the end of a run."""
@@ -77,20 +78,3 @@ def _fmt(column: str, value: Any) -> str:
         return f"{value:.4g}"
     return str(value)
 
-
-def _atomic_write(path: Path, text: str) -> None:
-    """Temp file + fsync + rename: readers (and a resumed run) see the old file or the new one.
-
-    The temp file is removed if the write fails (disk full, Ctrl-C), so nothing half-written is
-    left behind under any name.
-    """
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -125,13 +125,14 @@ def _restart_count() -> int:
         return 0
 
 
-def find_resume_point(cfg: TrainConfig, env: DistEnv,
-                       run_dir: Path) -> tuple[dict[str, Any], Path] | None:
+def find_resume_point(cfg: TrainConfig, env: DistEnv, run_dir: Path,
+                      run_fields: tuple[str, ...]) -> tuple[dict[str, Any], Path] | None:
     """The checkpoint to continue from, or None for a fresh start. Rank 0 decides, all learn it.
 
     * ``--resume DIR``: the newest checkpoint of DIR that verifies; flags may change what does not
-      change the run (see :func:`_check_resumable`). With ``--out`` elsewhere the run continues
-      there (a fork).
+      change the run: ``run_fields``, the fields that define what the run's components compute
+      (the task's and the method's), must be those of the checkpoint. With ``--out`` elsewhere
+      the run continues there (a fork).
     * ``--resume auto``, or a torchelastic restart (``TORCHELASTIC_RESTART_COUNT`` > 0): the newest
       checkpoint of ``--out`` that verifies, which must be of this very configuration
       (:data:`RUN_LOCAL_FIELDS` aside); a fresh start if ``--out`` holds no checkpoint at all.
@@ -149,7 +150,7 @@ def find_resume_point(cfg: TrainConfig, env: DistEnv,
     found = None
     if env.is_main:
         try:
-            found = _decide(cfg, env, run_dir)
+            found = _decide(cfg, env, run_dir, run_fields)
             outcome = None if found is None else str(found[1])
         except (ConfigError, ckpt.CheckpointError, OSError) as e:
             outcome = e
@@ -173,7 +174,8 @@ class _Look:
     required: bool = False  # no checkpoint at all is an error, not a fresh start
 
 
-def _decide(cfg: TrainConfig, env: DistEnv, run_dir: Path) -> tuple[dict[str, Any], Path] | None:
+def _decide(cfg: TrainConfig, env: DistEnv, run_dir: Path,
+            run_fields: tuple[str, ...]) -> tuple[dict[str, Any], Path] | None:
     """Rank 0's decision (:func:`find_resume_point`): every check first, then the changes."""
     restart = _restart_count()
     explicit = bool(cfg.resume) and cfg.resume != "auto"
@@ -209,7 +211,7 @@ def _decide(cfg: TrainConfig, env: DistEnv, run_dir: Path) -> tuple[dict[str, An
             f"nothing removed: {'; '.join(why for _, why in rejected)}; to start anew, move "
             "them away (or use --overwrite without --resume, which deletes them)")
     if look is not None and found is not None:
-        _check_same_run(found, cfg, look, run_dir, env.world_size)
+        _check_same_run(found, cfg, look, run_dir, env.world_size, run_fields)
     in_place = look is not None and found is not None \
         and look.directory.resolve() == run_dir.resolve()
     removable = [] if in_place else _claim(cfg, run_dir, looks[0].how if looks else "",
@@ -227,11 +229,12 @@ def _decide(cfg: TrainConfig, env: DistEnv, run_dir: Path) -> tuple[dict[str, An
 
 
 def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: _Look,
-                    run_dir: Path, world_size: int) -> None:
+                    run_dir: Path, world_size: int, run_fields: tuple[str, ...]) -> None:
     """The checkpoint must be of this run: all fields (automatic resume) or those defining it."""
     saved, path = found
     if look.lenient:
-        _check_resumable(saved, cfg)
+        ckpt.verify_compatible({k: saved["config"].get(k) for k in run_fields},
+                               {k: getattr(cfg, k) for k in run_fields}, what="configuration")
     else:
         # Keys the checkpoint does not know (written before a field was added) are not compared.
         current = {k: v for k, v in cfg.to_dict().items()
@@ -243,7 +246,7 @@ def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: 
             raise ckpt.CheckpointError(
                 f"{e} ({look.how} from {run_dir}: to continue that run with changed flags "
                 f"use --resume {run_dir}, to start a new one use another --out)") from None
-    hook_states = saved.get("hook_states") or []
+    hook_states = [r.get("hook") for r in saved.get("ranks") or []]
     if any(hook_states) and len(hook_states) != world_size:
         raise ckpt.CheckpointError(
             f"{path} was written by {len(hook_states)} processes, this run has "
@@ -258,7 +261,8 @@ def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: 
 # "an earlier run", and they and the checkpoint files are all that --overwrite removes.
 _RUN_FILE = r"(config\.toml|metrics\.(jsonl|csv)|(factorization|channel-pruning|prune-round-\d+)\.(txt|json))"
 _RUN_FILE_RE = re.compile(rf"^{_RUN_FILE}$")
-# Their temp files, left by a kill during a write (metrics.py's, checkpoint._atomic_write's).
+# Their temp files, left by a kill during a write (checkpoint.atomic_write's, and the
+# ``<name>.tmp`` of runs written before every write went through it).
 _RUN_TEMP_RE = re.compile(rf"^({_RUN_FILE}\.tmp|\.{_RUN_FILE}\.[A-Za-z0-9_-]+\.\d+\.[0-9a-f]+\.tmp)$")
 
 
@@ -356,14 +360,6 @@ def _skipped(env: DistEnv, rejected: list[tuple[Path, str]], used: Path, set_asi
 
 def _names(paths: list[Path], run_dir: Path) -> str:
     return ", ".join(str(p.relative_to(run_dir)) + ("/" if p.is_dir() else "") for p in paths)
-
-
-def _check_resumable(saved: dict[str, Any], cfg: TrainConfig) -> None:
-    """The run being resumed must be the run that was saved (flags may change the rest)."""
-    keys = ("model", "width", "data", "mode", "warmup_epochs", "rank_ratio", "preset", "keep",
-            "keep_first", "extra_bn", "seed", "train_subset", "batch_size")
-    ckpt.verify_compatible({k: saved["config"].get(k) for k in keys},
-                           {k: getattr(cfg, k) for k in keys}, what="configuration")
 
 
 def load_model(model: nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:

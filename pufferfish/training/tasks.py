@@ -20,10 +20,17 @@ from ..config import TrainConfig
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 
-__all__ = ["ImageTask", "LanguageTask", "Task", "build_task"]
+__all__ = ["RUN_FIELDS", "ImageTask", "LanguageTask", "Task", "build_task"]
+
+# Configuration fields that define what a task computes (its data, model and batches): a resume
+# with any of them changed is refused (with the method's own, see Method.run_fields).
+RUN_FIELDS = ("model", "width", "data", "seed", "train_subset", "batch_size")
 
 
 class Task(Protocol):
+    """Data, model, loss and evaluation; a per-rank stateful component of a run (its
+    ``state_dict`` is what it carries from step to step within an epoch)."""
+
     model: nn.Module
     train_loader: Any  # iterable of batches with len() and set_epoch()
 
@@ -32,6 +39,8 @@ class Task(Protocol):
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor: ...
     def evaluate(self, model: nn.Module, env: DistEnv) -> dict[str, float]: ...
     def example_input(self, device: torch.device) -> Any: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def build_task(cfg: TrainConfig, env: DistEnv) -> Task:
@@ -67,6 +76,12 @@ class ImageTask:
     def start_epoch(self, epoch: int) -> None:
         pass
 
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # nothing carried from step to step
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
     def to_device(self, batch: Any, device: torch.device) -> Any:
         return tuple(t.to(device, non_blocking=True) for t in batch)
 
@@ -100,8 +115,8 @@ class LanguageTask:
     """Word-level LM: the stream is cut into ``batch_size`` columns per rank and BPTT chunks.
 
     The LSTM's hidden state is carried from chunk to chunk (detached) within an epoch and reset at
-    each epoch start; a mid-epoch checkpoint saves it (the loop reads ``hidden``), so a resume
-    continues it.
+    each epoch start; it is this task's state (:meth:`state_dict`), so a mid-epoch checkpoint
+    saves it and a resume continues it.
     """
 
     eval_columns = 10  # the classic word-language-model evaluation batch (over all ranks)
@@ -141,6 +156,14 @@ class LanguageTask:
 
     def start_epoch(self, epoch: int) -> None:
         self.hidden = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The hidden state carried to the next chunk (on CPU), None at an epoch's start."""
+        return {"hidden": None if self.hidden is None else [h.cpu() for h in self.hidden]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        hidden = state.get("hidden")
+        self.hidden = None if hidden is None else tuple(h.to(self.env.device) for h in hidden)
 
     def to_device(self, batch: Any, device: torch.device) -> Any:
         return tuple(t.to(device, non_blocking=True) for t in batch)

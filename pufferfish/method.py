@@ -1,0 +1,116 @@
+"""The package's own training methods for the loop: full rank, and Pufferfish.
+
+:class:`PufferfishMethod` adapts the one :class:`~pufferfish.switch.Switch` (when and how to
+factorize, and the record of both) to the loop's :class:`~pufferfish.training.methods.Method`
+interface, and adds what else low-rank training needs from the loop: Frobenius decay on the factor
+pairs (a loss term, and the factors' own optimizer group without plain weight decay) and the
+low-rank figures of the metrics rows. The loop itself knows nothing of low rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import TrainConfig
+from .lowrank import LowRankModule, count_macs
+from .switch import FactorizationPlan, Switch, SwitchPolicy
+from .training.methods.base import Change, Method
+
+__all__ = ["FullRankMethod", "PufferfishMethod"]
+
+
+class FullRankMethod(Method):
+    """Full-rank training: the model as it is. The figures count MACs and say whether the model
+    holds low-rank layers; the pruning baselines build on this too."""
+
+    name = "full"
+
+    def model_figures(self, model: nn.Module, example_input: Any) -> dict[str, Any]:
+        base = super().model_figures(model, example_input)
+        return {"params": base["params"],
+                "macs": count_macs(model, example_input),  # per example
+                "lowrank": any(isinstance(m, LowRankModule) for m in model.modules()),
+                **base}
+
+
+class PufferfishMethod(FullRankMethod):
+    """Full-rank warm-up, then one switch to the factorized model (``--mode lowrank``: no
+    warm-up, the initial weights' SVD: the paper's "spectral initialization")."""
+
+    name = "pufferfish"
+    run_fields = ("mode", "warmup_epochs", "rank_ratio", "preset", "keep", "keep_first",
+                  "extra_bn")
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.switch = Switch(
+            SwitchPolicy(0 if cfg.mode == "lowrank" else cfg.warmup,
+                         track=cfg.ratio == "auto", min_warmup=cfg.min_warmup_epochs,
+                         max_warmup=cfg.max_warmup, threshold=cfg.switch_threshold,
+                         window=cfg.switch_window),
+            FactorizationPlan(cfg.ratio, "auto" if cfg.keep_auto else cfg.keep,
+                              max_rank_ratio=cfg.max_rank_ratio,
+                              preset=None if cfg.preset == "none" else cfg.preset,
+                              keep_first=cfg.keep_first, extra_bn=cfg.extra_bn))
+
+    def setup(self, model: nn.Module, example_input: Any, cfg: TrainConfig) -> None:
+        self.switch.plan.example_input = example_input
+        self.switch.observe(0, model)  # checks the plan; automatic: the stable ranks at init
+
+    def on_epoch_start(self, epoch: int, model: nn.Module) -> Change | None:
+        if not self.switch.due(epoch, model):
+            return None
+        report = self.switch.switch(epoch, model)
+        text = f"switching to the low-rank model at epoch {epoch}:\n{report}"
+        decided = self.switch.describe()
+        return Change("factorization", text + ("\n" + decided if decided else ""),
+                      {"epoch": epoch, **report.to_dict(), "decisions": self.switch.plan.decisions})
+
+    def on_step_end(self, epoch: int, step: int, steps: int, model: nn.Module) -> None:
+        # Between epoch ends, feed the switch detector every N steps so that its window (in
+        # epochs) is covered by several observations even in short runs.
+        if self.switch.policy.warmup_epochs != "auto" or self.switch.switched or step >= steps:
+            return
+        every = self.cfg.stable_rank_every_steps or max(1, steps // 4)
+        if step % every == 0:
+            self.switch.observe(epoch + step / steps, model)
+
+    def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
+        """Under Frobenius decay the factor pairs go without plain weight decay."""
+        if cfg.frobenius_decay <= 0:
+            return super().param_groups(model, cfg)
+        from .auto import frobenius_decay_params
+
+        factors = {id(p) for p in frobenius_decay_params(model)}
+        rest = [p for p in model.parameters() if id(p) not in factors]
+        return [{"params": rest, "weight_decay": cfg.weight_decay},
+                {"params": [p for p in model.parameters() if id(p) in factors],
+                 "weight_decay": 0.0}]
+
+    def extra_loss(self, model: nn.Module) -> torch.Tensor | None:
+        if self.cfg.frobenius_decay <= 0:
+            return None
+        from .auto import frobenius_decay
+
+        return frobenius_decay(model, self.cfg.frobenius_decay)
+
+    def on_epoch_end(self, epoch: int, model: nn.Module) -> dict[str, Any]:
+        row: dict[str, Any] = {"switch_epoch": self.switch.policy.switched_at}
+        detector = self.switch.policy.detector
+        if detector is not None and not self.switch.switched:
+            row["stable_ranks"] = self.switch.observe(epoch + 1, model)
+            # how far from "settled" (switch_threshold) the slowest layer still is
+            change = max((detector.smoothed_change(n) for n in row["stable_ranks"]), default=None)
+            if change is not None and change != float("inf"):
+                row["stable_rank_change"] = change
+        return row
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.switch.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], model: nn.Module) -> None:
+        self.switch.load_state_dict(state, model)
+        self.switch.plan.rebuild(model)  # the exact factorized architecture

@@ -1,0 +1,108 @@
+"""The switch's one owner and the run's stateful components, without a training run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import pufferfish as pf
+from pufferfish.config import TrainConfig
+from pufferfish.lowrank import LowRankModule
+from pufferfish.method import PufferfishMethod
+from pufferfish.training.methods import build_method, method_names
+from pufferfish.training.step import EpochMeter, Replica, train_step
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 10))
+
+
+def test_method_state_rebuilds_the_switched_architecture() -> None:
+    cfg = TrainConfig(mode="pufferfish", warmup_epochs="1", rank_ratio="0.25", preset="none",
+                      keep=["0"])
+    x = torch.randn(2, 32)
+    method, model = build_method(cfg), mlp()
+    assert isinstance(method, PufferfishMethod)
+    method.setup(model, x, cfg)
+    assert method.on_epoch_start(0, model) is None  # still warming up
+    change = method.on_epoch_start(1, model)
+    assert change is not None and change.name == "factorization"
+    state = method.state_dict()
+    assert state["switched_at"] == 1 and set(state["ranks"]) == {"2", "4"}
+
+    again, fresh = build_method(cfg), mlp()
+    again.setup(fresh, x, cfg)
+    again.load_state_dict(state, fresh)  # before the weights: the architecture they need
+    fresh.load_state_dict(model.state_dict())  # strict: every factor key fits
+    assert again.state_dict() == state
+    assert torch.equal(fresh(x), model(x))
+    assert again.on_epoch_start(2, fresh) is None  # no second switch
+    assert sorted(n for n, m in fresh.named_modules() if isinstance(m, LowRankModule)) == ["2", "4"]
+
+
+def test_recipe_is_a_facade_over_the_same_switch() -> None:
+    recipe = pf.Recipe(warmup_epochs=0, rank_ratio=0.25, keep=["0"])
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recipe.on_epoch_start(0, model, opt)
+    owner = recipe.switch_owner
+    assert recipe.switched_at == owner.policy.switched_at == 0
+    assert recipe.report is owner.plan.report and recipe.state_dict() == owner.state_dict()
+    assert recipe.state_dict()["ranks"] == recipe.report.ranks
+
+
+def test_registry_builds_every_mode_and_names_them_on_bad_input() -> None:
+    assert method_names() == ["full", "lowrank", "lth", "prune", "pufferfish"]
+    for mode in method_names():
+        assert build_method(TrainConfig(mode=mode)).name in (mode, "pufferfish")
+    cfg = TrainConfig(mode="full")
+    cfg.mode = "nope"  # past the config's own check: the registry's error
+    try:
+        build_method(cfg)
+    except ValueError as e:
+        assert str(e) == ("mode 'nope' is invalid: allowed full, lowrank, lth, prune, "
+                          "pufferfish")
+    else:
+        raise AssertionError("no error for an unknown mode")
+
+
+def test_training_imports_nothing_of_low_rank() -> None:
+    code = ("import sys, pufferfish.training.loop, pufferfish.training.step; "
+            "bad = sorted(m for m in sys.modules if m.startswith(('pufferfish.lowrank', "
+            "'pufferfish.auto', 'pufferfish.switch', 'pufferfish.recipe', 'pufferfish.method'))); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    # pufferfish/__init__ imports the public API (lowrank, recipe): an empty package stands in.
+    package = str(Path(__file__).resolve().parents[1] / "pufferfish")
+    stub = ("import sys, types; sys.modules['pufferfish'] = types.ModuleType('pufferfish'); "
+            f"sys.modules['pufferfish'].__path__ = [{package!r}]; ")
+    result = subprocess.run([sys.executable, "-c", stub + code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_skipped_step_changes_nothing_and_the_meter_counts_it() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    replica = Replica(model, model, opt)
+    x, y = torch.randn(4, 32), torch.tensor([0, 1, 2, 3])
+    before = [p.detach().clone() for p in model.parameters()]
+    meter = EpochMeter()
+    loss, bad = train_step(replica, lambda: nn.functional.cross_entropy(model(x), y),
+                           vote=lambda loss: "loss")
+    meter.step_done(loss, applied=bad is None)
+    assert bad == "loss" and all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    loss, bad = train_step(replica, lambda: nn.functional.cross_entropy(model(x), y))
+    meter.step_done(loss, applied=bad is None)
+    assert bad is None and not torch.equal(before[0], model[0].weight)
+    saved = meter.state_dict()
+    assert (saved["n_steps"], saved["skipped"]) == (1, 1)
+    assert saved["loss_sum"] == loss.item()
+    resumed = EpochMeter()
+    resumed.load_state_dict(saved)
+    assert resumed.state_dict() == saved
