@@ -27,6 +27,7 @@ data:
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports   # the layers of docs/design.md (contracts in pyproject.toml)
 
 test: setup data lint
 	$(PY) -m pytest
