@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .auto import frobenius_decay, frobenius_decay_params
 from .config import TrainConfig
 from .lowrank import LowRankModule, count_macs
 from .switch import FactorizationPlan, Switch, SwitchPolicy
@@ -82,7 +83,6 @@ class PufferfishMethod(FullRankMethod):
         """Under Frobenius decay the factor pairs go without plain weight decay."""
         if cfg.frobenius_decay <= 0:
             return super().param_groups(model, cfg)
-        from .auto import frobenius_decay_params
 
         factors = {id(p) for p in frobenius_decay_params(model)}
         rest = [p for p in model.parameters() if id(p) not in factors]
@@ -93,7 +93,6 @@ class PufferfishMethod(FullRankMethod):
     def extra_loss(self, model: nn.Module) -> torch.Tensor | None:
         if self.cfg.frobenius_decay <= 0:
             return None
-        from .auto import frobenius_decay
 
         return frobenius_decay(model, self.cfg.frobenius_decay)
 

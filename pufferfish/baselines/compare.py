@@ -38,13 +38,19 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
+from .. import data as datasets
+from .. import models
 from ..config import ConfigError, TrainConfig, dump_toml
 from ..formatting import markdown_table
+from ..lowrank import factorize
 from ..lowrank.factorize import count_params
 from ..training import checkpoint as ckpt
+from ..training.loop import train
 from ..training.methods import build_method
 from ..training.metrics import read_metrics
+from ..training.report import compare_runs
 
 __all__ = ["COMPARED_MODES", "compare", "measure_latency", "pufferfish_params", "ratio_for_params"]
 
@@ -53,8 +59,6 @@ COMPARED_MODES = ("full", "pufferfish", "lth", "prune")
 
 def build_model(cfg: TrainConfig) -> tuple[nn.Module, torch.Tensor]:
     """The freshly built (untrained) model of ``cfg`` and a one-example input, as the loop builds them."""
-    from .. import data as datasets
-    from .. import models
 
     if cfg.is_lm:
         raise ConfigError(f"compare supports the image models resnet18 and vgg19_bn, not {cfg.model!r}")
@@ -78,7 +82,6 @@ def pufferfish_params(cfg: TrainConfig, model: nn.Module, example: torch.Tensor,
 
     Factorizes a copy: the count depends on the shapes and ranks only, not on trained values.
     """
-    from ..lowrank import factorize
 
     if ratio is None and (cfg.ratio == "auto" or cfg.keep_auto):
         return None
@@ -134,7 +137,6 @@ def load_final_model(cfg: TrainConfig, run_dir: Path) -> tuple[nn.Module, torch.
     method.setup(model, example, cfg)
     method.load_state_dict(saved["method"], model)
     model.load_state_dict(saved["model"])
-    from torch.nn.utils import prune
 
     for module in model.modules():
         if hasattr(module, "weight_mask"):
@@ -145,7 +147,6 @@ def load_final_model(cfg: TrainConfig, run_dir: Path) -> tuple[nn.Module, torch.
 def _run(cfg: TrainConfig, workers: int, log: Path) -> None:
     """Train (or continue) one run: in this process, or under torchrun with ``workers`` processes."""
     if workers <= 1:
-        from ..training.loop import train
 
         train(cfg)
         return
@@ -228,7 +229,6 @@ def compare(base: TrainConfig, out: str | Path, methods: tuple[str, ...] = COMPA
     (out_dir / "compare.md").write_text(table + "\n\n![trade-off](tradeoff.png)\n")
     (out_dir / "compare.json").write_text(json.dumps(results, indent=1, default=float))
     _plot(results, out_dir / "tradeoff.png", latency)
-    from ..training.report import compare_runs
 
     compare_runs([cfg.out for _, cfg in runs], str(out_dir))
     return table + f"\n\nwritten: {out_dir / 'compare.md'}, {out_dir / 'tradeoff.png'}, " \

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import ConfigError, load_config
 from ..formatting import markdown_table
+from ..training.metrics import read_metrics
 from . import projection as proj
 from .netns import format_bps
 from .step import BENCH_METHODS, PUFFERFISH_RANK_RATIO, hook_for
@@ -113,8 +115,6 @@ def load_accuracy_runs(
     paper preset at rank ratio 1/4): otherwise its accuracy does not belong to the measured
     steps. ``ValueError`` with one line naming the run and the mismatch.
     """
-    from ..config import ConfigError, load_config
-    from ..training.metrics import read_metrics
 
     runs: dict[str, AccuracyRun] = {}
     for method, path in parse_accuracy_runs(spec).items():

@@ -57,8 +57,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..data import DEFAULT_FASHION_DIR
 from ..distributed.hooks import with_option_fields
 from ..formatting import markdown_table
+from ..training.metrics import read_metrics
+from ..training.report import compare_runs
 from . import accuracy as acc
 from . import projection as proj
 from .accuracy import time_to_accuracy
@@ -220,7 +225,6 @@ class BenchConfig:
 
 
 def _default_data_dir() -> Path:
-    from ..data import DEFAULT_FASHION_DIR
 
     return Path(DEFAULT_FASHION_DIR)
 
@@ -637,7 +641,6 @@ def _ms_spread(row: dict[str, Any], key: str) -> str:
 
 
 def _markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]) -> str:
-    import torch
 
     rows = result["rows"]
     source = (f"Step times reused from `{_results_path(cfg.from_results)}`. "
@@ -840,7 +843,6 @@ def run_train(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
     ``out/train_results.json`` has, per run, the time to reach the best accuracy that
     every run of that link reached.
     """
-    from ..training.report import compare_runs
 
     cfg.validate()
     root = Path(cfg.out)
@@ -877,7 +879,6 @@ def _train_run(
 ) -> str | None:
     """Train ``method`` into ``run_dir`` (replacing an old run there: ``--overwrite``); why it
     failed, or None."""
-    from ..training.metrics import read_metrics
 
     timeout = cfg.timeout or NO_TIMEOUT
     argv = _train_argv(cfg, method, run_dir)
@@ -918,7 +919,6 @@ def _train_markdown(cfg: BenchConfig, runs: list[dict[str, Any]],
 
 
 def _train_summary(text: str, done: list[tuple[str, Path]]) -> list[dict[str, Any]]:
-    from ..training.metrics import read_metrics
 
     rows = {m: read_metrics(d) for m, d in done}
     target = min(max(r["test_acc"] for r in rs) for rs in rows.values())

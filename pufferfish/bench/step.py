@@ -62,8 +62,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..data import DEFAULT_FASHION_DIR, NORMALIZATION, TensorImageLoader, load_fashion_mnist
 from ..distributed.env import cleanup, exit_process
-from ..distributed.hooks import all_hook_options, hook_names, hook_options
+from ..distributed.hooks import all_hook_options, hook_names, hook_options, register_comm_hook
+from ..lowrank import factorize
+from ..models import build_model
 from ..training.step import Replica, train_step
 
 __all__ = ["BENCH_METHODS", "HOOK_DEFAULTS", "HOOK_OPTIONS", "PUFFERFISH_RANK_RATIO", "hook_for",
@@ -142,7 +145,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list[Any]:
     """``n`` real training minibatches of this rank's shard, materialized up front."""
-    from ..data import DEFAULT_FASHION_DIR, NORMALIZATION, TensorImageLoader, load_fashion_mnist
 
     images, labels = load_fashion_mnist(
         args.data_dir or DEFAULT_FASHION_DIR, "train", cache_dir=args.cache_dir
@@ -163,8 +165,6 @@ def _batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list[An
 
 def _build(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, int]:
     """The model (factorized for Pufferfish methods) and its full-rank parameter count."""
-    from ..lowrank import factorize
-    from ..models import build_model
 
     torch.manual_seed(args.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(args.model, num_classes=10, in_channels=1, width=args.width, image_size=28)
@@ -195,7 +195,6 @@ def _quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
 def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> dict[str, Any]:
     """Run the protocol of the module docstring for ``method`` on this rank, on
     ``minibatches`` (warm-up + compute-only + full steps of them); return its measurements."""
-    from ..distributed.hooks import register_comm_hook
 
     rank = dist.get_rank()
     factorized, hook = hook_for(method)

@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["DistEnv", "all_reduce_sum", "broadcast_object", "cleanup", "ddp_options", "exit_process",
@@ -289,7 +290,6 @@ def _made_by_ddp(state: Any, ddp: DistributedDataParallel) -> bool:
 
 
 def _forget_buckets(state: Any) -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
     if isinstance(state, PowerSGDState):
         state.error_dict.clear()

@@ -40,12 +40,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
 from ..config import TrainConfig, dump_toml
 from ..data import DataError
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
+from ..distributed.hooks import hook_options, register_comm_hook
 from . import checkpoint as ckpt
 from . import faults, startup, tasks
 from .methods import Change, Method, build_method
@@ -190,7 +193,6 @@ def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method) -
 def _register_hook(cfg: TrainConfig, wrapped: nn.Module, env: DistEnv) -> Any:
     if not env.distributed:
         return None
-    from ..distributed.hooks import hook_options, register_comm_hook
 
     return register_comm_hook(wrapped, cfg.comm, **hook_options(cfg.comm, cfg))
 
@@ -350,7 +352,6 @@ def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
 
 
 def _progress_bar(cfg: TrainConfig, env: DistEnv, progress: Progress, steps: int) -> Any:
-    from tqdm import tqdm
 
     return tqdm(total=steps, initial=progress.step_in_epoch,
                 desc=f"epoch {progress.epoch + 1}/{cfg.epochs}",
@@ -431,7 +432,6 @@ _PEER_FAILURE = re.compile(r"Connection (closed|reset)|[Tt]imed out|timeout|Brok
 
 def _is_peer_failure(e: BaseException) -> bool:
     """A failure of the process group (peer gone or frozen), not of this process's work."""
-    import torch.distributed as dist
 
     return isinstance(e, dist.DistError) or bool(_PEER_FAILURE.search(str(e)))
 

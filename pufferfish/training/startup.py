@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig, load_config
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 from . import checkpoint as ckpt
@@ -309,7 +309,6 @@ def _claim(cfg: TrainConfig, run_dir: Path, how: str, own: bool) -> list[Path]:
 
 def _same_configuration(cfg: TrainConfig, run_dir: Path) -> bool:
     """Whether ``run_dir/config.toml`` is ``cfg`` up to :data:`RUN_LOCAL_FIELDS`."""
-    from ..config import load_config
 
     try:
         saved = load_config(run_dir / "config.toml").to_dict()

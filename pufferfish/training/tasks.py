@@ -11,6 +11,7 @@ import math
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -48,7 +49,6 @@ def build_task(cfg: TrainConfig, env: DistEnv) -> Task:
         if env.is_main:
             datasets.download(cfg.data, cfg.data_dir or "data")
         if env.distributed:
-            import torch.distributed as dist
 
             dist.barrier()
     return LanguageTask(cfg, env) if cfg.is_lm else ImageTask(cfg, env)
