@@ -11,10 +11,21 @@ import difflib
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import FIELDS, ConfigError, field_kind
+import torch
+
+from . import factorize, models
+from .baselines.compare import compare
+from .bench.runner import add_arguments as add_bench_arguments
+from .bench.runner import run_from_args
+from .config import FIELDS, ConfigError, field_kind, load_config
+from .data import DataError
 from .formatting import one_line
+from .training.checkpoint import CheckpointError
+from .training.loop import PeerError, TrainingError, train
+from .training.report import compare_runs
 
 __all__ = ["main"]
 
@@ -80,7 +91,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         if getattr(args, "debug", False):
             raise
-        from .training.loop import PeerError
 
         if isinstance(e, PeerError):
             print(f"pufferfish: error: {one_line(e)}", file=sys.stderr)
@@ -97,9 +107,6 @@ def _is_user_error(e: Exception) -> bool:
     ``OSError`` is included for the run directory's own failures (permission denied, disk full,
     ``--out`` naming a file): a traceback into ``os.replace`` helps nobody.
     """
-    from .data import DataError
-    from .training.checkpoint import CheckpointError
-    from .training.loop import TrainingError
 
     return isinstance(e, ConfigError | DataError | CheckpointError | TrainingError | ValueError
                       | OSError)
@@ -161,8 +168,6 @@ def _parser() -> argparse.ArgumentParser:
     _config_flags(compare, skip=("mode", "out", "resume"))
     compare.set_defaults(run=_cmd_compare)
 
-    from .bench.runner import add_arguments as add_bench_arguments
-
     bench = sub.add_parser("bench", help="time each method's DDP steps over real and emulated "
                                          "links; project to more workers (--train: accuracy "
                                          "against time)",
@@ -191,15 +196,11 @@ def _config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...]) -> Non
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .training.loop import train
-
     overrides: dict[str, Any] = {k: getattr(args, k) for k in FIELDS
                                  if getattr(args, k, None) is not None}
     config = args.config
     if overrides.get("resume") and overrides["resume"] != "auto":
         # Continue a run: its saved configuration, then any flags given now (e.g. more epochs).
-        from pathlib import Path
 
         saved = Path(overrides["resume"]) / "config.toml"
         if not saved.exists():
@@ -213,10 +214,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_factorize(args: argparse.Namespace) -> int:
-    import torch
-
-    from . import factorize, models
-
     for name in args.model:
         if name in ("lstm", "transformer"):
             dim = round((1500 if name == "lstm" else 256) * args.width)
@@ -238,9 +235,6 @@ def _cmd_factorize(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from .baselines.compare import compare
-    from .config import load_config
-
     overrides: dict[str, Any] = {k: getattr(args, k) for k in FIELDS
                                  if getattr(args, k, None) is not None}
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -256,15 +250,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .training.report import compare_runs
-
     print(compare_runs(args.runs, args.out))
     return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.runner import run_from_args
-
     return run_from_args(args)
 
 

@@ -147,7 +147,6 @@ def load_final_model(cfg: TrainConfig, run_dir: Path) -> tuple[nn.Module, torch.
 def _run(cfg: TrainConfig, workers: int, log: Path) -> None:
     """Train (or continue) one run: in this process, or under torchrun with ``workers`` processes."""
     if workers <= 1:
-
         train(cfg)
         return
     config = log.with_suffix(".toml")

@@ -225,7 +225,6 @@ class BenchConfig:
 
 
 def _default_data_dir() -> Path:
-
     return Path(DEFAULT_FASHION_DIR)
 
 
@@ -641,7 +640,6 @@ def _ms_spread(row: dict[str, Any], key: str) -> str:
 
 
 def _markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]) -> str:
-
     rows = result["rows"]
     source = (f"Step times reused from `{_results_path(cfg.from_results)}`. "
               if cfg.from_results else "")
@@ -919,7 +917,6 @@ def _train_markdown(cfg: BenchConfig, runs: list[dict[str, Any]],
 
 
 def _train_summary(text: str, done: list[tuple[str, Path]]) -> list[dict[str, Any]]:
-
     rows = {m: read_metrics(d) for m, d in done}
     target = min(max(r["test_acc"] for r in rs) for rs in rows.values())
     return [

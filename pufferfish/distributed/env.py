@@ -290,7 +290,6 @@ def _made_by_ddp(state: Any, ddp: DistributedDataParallel) -> bool:
 
 
 def _forget_buckets(state: Any) -> None:
-
     if isinstance(state, PowerSGDState):
         state.error_dict.clear()
         state.p_memory_dict.clear()

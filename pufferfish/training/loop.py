@@ -352,7 +352,6 @@ def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
 
 
 def _progress_bar(cfg: TrainConfig, env: DistEnv, progress: Progress, steps: int) -> Any:
-
     return tqdm(total=steps, initial=progress.step_in_epoch,
                 desc=f"epoch {progress.epoch + 1}/{cfg.epochs}",
                 disable=not (env.is_main and cfg.progress), leave=False, mininterval=1.0)

@@ -49,7 +49,6 @@ def build_task(cfg: TrainConfig, env: DistEnv) -> Task:
         if env.is_main:
             datasets.download(cfg.data, cfg.data_dir or "data")
         if env.distributed:
-
             dist.barrier()
     return LanguageTask(cfg, env) if cfg.is_lm else ImageTask(cfg, env)
 
