@@ -64,6 +64,7 @@ from typing import IO, Any
 import torch
 from torch import nn
 
+from ..formatting import one_line
 from . import faults
 
 __all__ = [
@@ -225,12 +226,7 @@ def _describe_failure(exc: BaseException) -> str:
             name = errno.errorcode.get(cur.errno, str(cur.errno))
             return f"{name}: {cur.strerror or cur}"
         cur = cur.__cause__ or cur.__context__
-    return f"{type(exc).__name__}: {_one_line(str(exc))}"
-
-
-def _one_line(text: str, limit: int = 200) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {one_line(str(exc), limit=200)}"
 
 
 def _sha256_file(path: Path) -> tuple[str, int]:
@@ -471,7 +467,7 @@ def _verify_manifest(pt_path: Path) -> None:
         expected_sha = str(manifest["sha256"]).lower()
         ok = manifest.get("format") == MANIFEST_FORMAT and manifest.get("file") == pt_path.name
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"manifest {manifest_path} is corrupt: {_one_line(str(exc))}") from exc
+        raise CheckpointError(f"manifest {manifest_path} is corrupt: {one_line(str(exc), limit=200)}") from exc
     if not ok:
         raise CheckpointError(f"manifest {manifest_path} does not describe {pt_path.name}")
     try:
@@ -537,8 +533,8 @@ def _first_line(exc: BaseException) -> str:
     text = str(exc)
     for line in text.splitlines():
         if "Unsupported" in line or "GLOBAL" in line:
-            return _one_line(line.strip())
-    return _one_line(text)
+            return one_line(line, limit=200)
+    return one_line(text, limit=200)
 
 
 def _candidates(ckpt_dir: Path) -> Iterator[Path]:
@@ -685,7 +681,7 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def _show(v: Any) -> str:
-    return "<absent>" if v is _MISSING else _one_line(repr(v), 60)
+    return "<absent>" if v is _MISSING else one_line(repr(v), limit=60)
 
 
 def verify_compatible(

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..formatting import markdown_table
 from .checkpoint import atomic_write_text
 
 __all__ = ["MetricsWriter", "read_metrics"]
@@ -59,10 +60,8 @@ class MetricsWriter:
         quality = "test_ppl" if "test_ppl" in self.rows[-1] else "test_acc"
         cols = ["epoch", "train_loss", quality, "params", "macs", "lowrank", "epoch_time",
                 "comm_bytes_per_step"]
-        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        for r in self.rows:
-            lines.append("| " + " | ".join(_fmt(c, r.get(c)) for c in cols) + " |")
-        return "\n".join(lines)
+        return "\n".join(markdown_table(cols, ([_fmt(c, r.get(c)) for c in cols]
+                                               for r in self.rows)))
 
 
 def _fmt(column: str, value: Any) -> str:

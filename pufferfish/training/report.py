@@ -10,6 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from ..formatting import markdown_table
 from .metrics import read_metrics
 
 __all__ = ["compare_runs", "summarize_run"]
@@ -66,17 +67,18 @@ def compare_runs(run_dirs: list[str], out: str | None = None) -> str:
     head = ["run", "mode", "comm", "epochs", "final test ppl" if lm else "final test acc",
             "params", "MACs", "s/epoch", "s/epoch after switch", "total s", "MB/step",
             "time vs first"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for r in runs:
         quality = f"{r['final']:.2f}" if lm else f"{100 * r['final']:.2f}%"
         after = r["epoch_time_lowrank"]
-        lines.append("| " + " | ".join([
+        rows.append([
             r["run"], r["mode"], r["comm"], str(r["epochs"]), quality,
             f"{r['params'] / 1e6:.3f}M", f"{r['macs'] / 1e6:.1f}M", f"{r['epoch_time']:.1f}",
             f"{after:.1f}" if after is not None else "-", f"{r['total_time']:.0f}",
             f"{r['bytes_per_step'] / 1e6:.2f}",
             f"{r['total_time'] / base['total_time']:.2f}x",
-        ]) + " |")
+        ])
+    lines = markdown_table(head, rows)
     table = "\n".join(lines)
     if out:
         out_dir = Path(out)
