@@ -215,15 +215,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_factorize(args: argparse.Namespace) -> int:
     for name in args.model:
+        model = models.build_at_width(name, args.width, num_classes=args.num_classes,
+                                      in_channels=args.in_channels, image_size=args.image_size,
+                                      vocab_size=args.vocab_size)
         if name in ("lstm", "transformer"):
-            dim = round((1500 if name == "lstm" else 256) * args.width)
-            kw = ({"embed_dim": dim, "hidden_size": dim} if name == "lstm" else {"d_model": dim})
-            model = models.build_model(name, vocab_size=args.vocab_size, **kw)
             x = torch.zeros((35, 1) if name == "lstm" else (1, 35), dtype=torch.long)
         else:
-            model = models.build_model(name, num_classes=args.num_classes,
-                                       in_channels=args.in_channels, width=args.width,
-                                       image_size=args.image_size)
             x = torch.zeros(1, args.in_channels, args.image_size, args.image_size)
         report = factorize(model, rank_ratio=args.rank_ratio,
                            preset=None if args.preset == "none" else args.preset, example_input=x)

@@ -65,8 +65,8 @@ def build_model(cfg: TrainConfig) -> tuple[nn.Module, torch.Tensor]:
     ds = datasets.load_dataset(cfg.data, cfg.data_dir or None)
     assert isinstance(ds, datasets.ImageDataset)
     torch.manual_seed(cfg.seed)
-    model = models.build_model(cfg.model, num_classes=ds.num_classes, in_channels=ds.in_channels,
-                               width=cfg.width, image_size=ds.image_size[0])
+    model = models.build_at_width(cfg.model, cfg.width, num_classes=ds.num_classes,
+                                  in_channels=ds.in_channels, image_size=ds.image_size[0])
     return model, torch.zeros(1, ds.in_channels, *ds.image_size)
 
 

@@ -66,7 +66,8 @@ from ..data import DEFAULT_FASHION_DIR, NORMALIZATION, TensorImageLoader, load_f
 from ..distributed.env import cleanup, exit_process
 from ..distributed.hooks import all_hook_options, hook_names, hook_options, register_comm_hook
 from ..lowrank import factorize
-from ..models import build_model
+from ..lowrank.factorize import count_params
+from ..models import build_at_width
 from ..training.step import Replica, train_step
 
 __all__ = ["BENCH_METHODS", "HOOK_DEFAULTS", "HOOK_OPTIONS", "PUFFERFISH_RANK_RATIO", "hook_for",
@@ -167,8 +168,8 @@ def _build(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, int]:
     """The model (factorized for Pufferfish methods) and its full-rank parameter count."""
 
     torch.manual_seed(args.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
-    model = build_model(args.model, num_classes=10, in_channels=1, width=args.width, image_size=28)
-    full = sum(p.numel() for p in model.parameters())
+    model = build_at_width(args.model, args.width, num_classes=10, in_channels=1, image_size=28)
+    full = count_params(model)
     if factorized:
         factorize(model, rank_ratio=PUFFERFISH_RANK_RATIO, preset="paper")
     return model, full

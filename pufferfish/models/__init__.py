@@ -54,12 +54,38 @@ def build_model(name: str, **kwargs: Any) -> nn.Module:
     return factory(**kwargs)
 
 
+def build_at_width(name: str, width: float = 1.0, *, num_classes: int = 10,
+                   in_channels: int = 3, image_size: int = 32, vocab_size: int | None = None,
+                   dropout: float = 0.0, max_len: int = 512) -> nn.Module:
+    """Model ``name`` scaled by ``width`` for the data's shapes: the one home of the width rule.
+
+    Image models take ``width`` as their channel multiplier. The LSTM LM gets embedding and hidden
+    size ``round(1500 * width)`` (at least 8; 1500 is the paper's); the Transformer LM 4 heads and
+    ``d_model = round(256 * width)`` rounded down to a multiple of 4 (at least 32), feed-forward
+    4x, dropout at most 0.2. Training, ``pufferfish factorize``, the baselines and the bench all
+    build their models here, so one width means one model everywhere.
+    """
+    if name == "lstm":
+        dim = max(8, round(1500 * width))
+        return build_model("lstm", vocab_size=vocab_size, embed_dim=dim, hidden_size=dim,
+                           dropout=dropout)
+    if name == "transformer":
+        heads = 4
+        d_model = max(heads * 8, round(256 * width) // heads * heads)
+        return build_model("transformer", vocab_size=vocab_size, d_model=d_model, nhead=heads,
+                           dim_feedforward=4 * d_model, dropout=min(dropout, 0.2),
+                           max_len=max_len)
+    return build_model(name, num_classes=num_classes, in_channels=in_channels, width=width,
+                       image_size=image_size)
+
+
 __all__ = [
     "MODELS",
     "VGG19BN",
     "LSTMLanguageModel",
     "ResNet18",
     "TransformerLM",
+    "build_at_width",
     "build_model",
     "lstm_lm",
     "resnet18",

@@ -68,9 +68,9 @@ class ImageTask:
         # Every rank takes test examples rank, rank + world, ...: no example dropped or repeated.
         self.test_images = ds.test_images[:n_test][env.rank::env.world_size]
         self.test_labels = ds.test_labels[:n_test][env.rank::env.world_size]
-        self.model = models.build_model(cfg.model, num_classes=ds.num_classes,
-                                        in_channels=ds.in_channels, width=cfg.width,
-                                        image_size=ds.image_size[0])
+        self.model = models.build_at_width(cfg.model, cfg.width, num_classes=ds.num_classes,
+                                           in_channels=ds.in_channels,
+                                           image_size=ds.image_size[0])
 
     def start_epoch(self, epoch: int) -> None:
         pass
@@ -140,17 +140,8 @@ class LanguageTask:
         columns = datasets.batchify(test, self.eval_columns)[:, env.rank::env.world_size]
         self.test_source = (columns if columns.size(1) else columns[:0]).contiguous().to(env.device)
         self.batch_first = cfg.model == "transformer"
-        if cfg.model == "lstm":
-            dim = max(8, round(1500 * cfg.width))
-            self.model = models.build_model("lstm", vocab_size=self.vocab_size, embed_dim=dim,
-                                            hidden_size=dim, dropout=cfg.dropout)
-        else:
-            heads = 4
-            d_model = max(heads * 8, round(256 * cfg.width) // heads * heads)
-            self.model = models.build_model("transformer", vocab_size=self.vocab_size,
-                                            d_model=d_model, nhead=heads,
-                                            dim_feedforward=4 * d_model, dropout=min(cfg.dropout, 0.2),
-                                            max_len=max(512, cfg.bptt))
+        self.model = models.build_at_width(cfg.model, cfg.width, vocab_size=self.vocab_size,
+                                           dropout=cfg.dropout, max_len=max(512, cfg.bptt))
         self.hidden: Any = None
 
     def start_epoch(self, epoch: int) -> None:
