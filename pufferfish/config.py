@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any, get_args, get_origin
 
 from .distributed.hooks import all_hook_options, hook_names, with_option_fields
+from .models import MODELS
+from .modes import mode_names
 
 __all__ = ["ConfigError", "TrainConfig", "dump_toml", "load_config"]
 
-MODELS = ("resnet18", "vgg19_bn", "lstm", "transformer")
-MODES = ("full", "pufferfish", "lowrank", "lth", "prune")
 SCHEDULES = ("multistep", "cosine", "constant")
 NONFINITE = ("stop", "skip")
 # The comm hooks' options (powersgd_rank, topk_ratio, ...) are fields placed after ``comm``,
@@ -106,8 +106,8 @@ class TrainConfig:
 
     # -- checks --------------------------------------------------------------------------
     def validate(self) -> None:
-        _choice("model", self.model, MODELS)
-        _choice("mode", self.mode, MODES)
+        _choice("model", self.model, tuple(MODELS))
+        _choice("mode", self.mode, tuple(mode_names()))
         _choice("comm", self.comm, hook_names())
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("backend", self.backend, ("auto", "gloo", "nccl"))

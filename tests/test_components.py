@@ -6,14 +6,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 import pufferfish as pf
-from pufferfish.config import TrainConfig
+from pufferfish import modes
+from pufferfish.config import ConfigError, TrainConfig
 from pufferfish.lowrank import LowRankModule
 from pufferfish.method import PufferfishMethod
-from pufferfish.training.methods import build_method, method_names
+from pufferfish.training.methods import Method, build_method, method_names, register_method
 from pufferfish.training.step import EpochMeter, Replica, train_step
 
 
@@ -58,7 +60,7 @@ def test_recipe_is_a_facade_over_the_same_switch() -> None:
 
 
 def test_registry_builds_every_mode_and_names_them_on_bad_input() -> None:
-    assert method_names() == ["full", "lowrank", "lth", "prune", "pufferfish"]
+    assert method_names() == ["full", "pufferfish", "lowrank", "lth", "prune"]
     for mode in method_names():
         assert build_method(TrainConfig(mode=mode)).name in (mode, "pufferfish")
     cfg = TrainConfig(mode="full")
@@ -66,10 +68,24 @@ def test_registry_builds_every_mode_and_names_them_on_bad_input() -> None:
     try:
         build_method(cfg)
     except ValueError as e:
-        assert str(e) == ("mode 'nope' is invalid: allowed full, lowrank, lth, prune, "
-                          "pufferfish")
+        assert str(e) == ("mode 'nope' is invalid: allowed full, pufferfish, lowrank, lth, "
+                          "prune")
     else:
         raise AssertionError("no error for an unknown mode")
+
+
+def test_a_registered_method_is_a_valid_mode_of_the_configuration() -> None:
+    with pytest.raises(ConfigError, match=r"mode 'mine' is invalid: allowed full, .*prune$"):
+        TrainConfig(mode="mine")
+
+    class Mine(Method):
+        name = "mine"
+
+    register_method("mine", lambda cfg: Mine())
+    try:
+        assert isinstance(build_method(TrainConfig(mode="mine")), Mine)
+    finally:
+        modes._REGISTERED.pop("mine")
 
 
 def test_training_imports_nothing_of_low_rank() -> None:

@@ -49,8 +49,7 @@ def build_model(name: str, **kwargs: Any) -> nn.Module:
     try:
         factory = MODELS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown model {name!r}: allowed resnet18, vgg19_bn, lstm, transformer") from None
+        raise ValueError(f"unknown model {name!r}: allowed {', '.join(MODELS)}") from None
     return factory(**kwargs)
 
 
