@@ -142,7 +142,7 @@ class TrainConfig:
                 raise ConfigError(f"warmup_epochs {w} is invalid with epochs {self.epochs}: "
                                   f"allowed 0 <= warmup_epochs < epochs, or 'auto'")
         if self.warmup_epochs == "auto" and self.mode == "pufferfish":
-            lo, hi = self.min_warmup_epochs, self.max_warmup
+            lo, hi = self.min_warmup_epochs, self.latest_auto_switch
             if not 0 <= lo <= hi < self.epochs:
                 raise ConfigError(f"min_warmup_epochs {lo} / max_warmup_epochs {hi} are invalid "
                                   f"with epochs {self.epochs}: allowed 0 <= min <= max < epochs")
@@ -186,11 +186,12 @@ class TrainConfig:
 
     # -- derived values ------------------------------------------------------------------
     @property
-    def warmup(self) -> int | str:
+    def switch_epoch(self) -> int | str:
+        """``warmup_epochs`` parsed: the epoch the switch happens before, or ``"auto"``."""
         return "auto" if self.warmup_epochs == "auto" else int(self.warmup_epochs)
 
     @property
-    def max_warmup(self) -> int:
+    def latest_auto_switch(self) -> int:
         """The latest automatic switch epoch: ``max_warmup_epochs``, or half the run.
 
         Half, not the paper's tenth: a budget cap for when the stable ranks have not settled, as

@@ -48,9 +48,9 @@ class PufferfishMethod(FullRankMethod):
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.switch = Switch(
-            SwitchPolicy(0 if cfg.mode == "lowrank" else cfg.warmup,
-                         track=cfg.ratio == "auto", min_warmup=cfg.min_warmup_epochs,
-                         max_warmup=cfg.max_warmup, threshold=cfg.switch_threshold,
+            SwitchPolicy(0 if cfg.mode == "lowrank" else cfg.switch_epoch,
+                         track=cfg.ratio == "auto", earliest=cfg.min_warmup_epochs,
+                         latest=cfg.latest_auto_switch, threshold=cfg.switch_threshold,
                          window=cfg.switch_window),
             FactorizationPlan(cfg.ratio, "auto" if cfg.keep_auto else cfg.keep,
                               max_rank_ratio=cfg.max_rank_ratio,

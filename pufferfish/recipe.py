@@ -98,8 +98,8 @@ class Recipe:
         if not isinstance(keep, str) and isinstance(keep, Iterable):
             keep = list(keep)  # checked, then used: an iterator must be read once
         _check_arguments(locals())
-        policy = SwitchPolicy(warmup_epochs, track=rank_ratio == "auto", min_warmup=min_warmup,
-                              max_warmup=max_warmup, threshold=switch_threshold,
+        policy = SwitchPolicy(warmup_epochs, track=rank_ratio == "auto", earliest=min_warmup,
+                              latest=max_warmup, threshold=switch_threshold,
                               window=switch_window)
         plan = FactorizationPlan(rank_ratio, keep, max_rank_ratio=max_rank_ratio, preset=preset,
                                  keep_first=keep_first, extra_bn=extra_bn,

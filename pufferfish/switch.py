@@ -44,12 +44,16 @@ __all__ = ["FactorizationPlan", "Switch", "SwitchPolicy"]
 class SwitchPolicy:
     """When to switch: before epoch ``warmup_epochs``, or ``"auto"`` when the ranks settle.
 
+    An automatic switch happens between epochs ``earliest`` and ``latest`` (the detector's bounds;
+    ``min_warmup``/``max_warmup`` of :class:`~pufferfish.Recipe`, ``min/max_warmup_epochs`` of the
+    configuration).
+
     The stable-rank record (tracker) and the detector exist only for automatic choices (an
     automatic switch, or automatic ranks, which are chosen from the same record).
     """
 
-    def __init__(self, warmup_epochs: int | str = 2, track: bool = False, min_warmup: float = 1,
-                 max_warmup: float | None = None, threshold: float = 0.05,
+    def __init__(self, warmup_epochs: int | str = 2, track: bool = False, earliest: float = 1,
+                 latest: float | None = None, threshold: float = 0.05,
                  window: float = 1.0) -> None:
         self.warmup_epochs = warmup_epochs
         self.switched_at: int | None = None
@@ -59,7 +63,7 @@ class SwitchPolicy:
         self._decided: dict[int, bool] = {}  # epoch -> the agreed answer of should_switch
         if warmup_epochs == "auto" or track:
             self.detector = SwitchDetector(window=window, threshold=threshold,
-                                           min_epochs=min_warmup, max_epochs=max_warmup)
+                                           min_epochs=earliest, max_epochs=latest)
 
     @property
     def switched(self) -> bool:
