@@ -175,7 +175,7 @@ def test_disk_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: object) -> None:
         raise AssertionError("should have been served from the .pt cache")
 
-    monkeypatch.setattr(pd.images, "read_idx", boom)
+    monkeypatch.setattr(pd.fashion, "read_idx", boom)
     x2, y2 = load_fashion_mnist(tmp_path / "fm", cache_dir=tmp_path / "cache")
     assert torch.equal(x, x2) and torch.equal(y, y2)
 

@@ -542,97 +542,138 @@ def run_workers(
     CompletedProcess per rank (stdout/stderr captured as text); the caller checks
     ``returncode``.
     """
-    if link is not None:
-        if link.closed:
-            raise RuntimeError("EmulatedLink is closed")
-        world_size = link.n_endpoints
-        master_addr = link.addresses[0]
-        port = master_port if master_port is not None else _NETNS_MASTER_PORT
-    else:
-        master_addr = "127.0.0.1"
-        port = master_port if master_port is not None else free_port()
-
+    master_addr, port, world_size = _rendezvous(link, master_port, world_size)
     _install_handlers()  # SIGTERM/atexit also kill loopback workers
-    procs: list[subprocess.Popen[bytes]] = []
-    outs: list[tuple[IO[bytes], IO[bytes]]] = []
-    argvs: list[list[str]] = []
-    timed_out = False
+    workers: list[_Worker] = []
     with contextlib.ExitStack() as files:
         try:
             for rank in range(world_size):
-                argv = list(argv_for_rank(rank))
-                wenv = dict(os.environ)
-                if env:
-                    wenv.update(env)
-                wenv.update(
-                    {
-                        "MASTER_ADDR": master_addr,
-                        "MASTER_PORT": str(port),
-                        "RANK": str(rank),
-                        "WORLD_SIZE": str(world_size),
-                        "LOCAL_RANK": "0",
-                        "LOCAL_WORLD_SIZE": "1",
-                    }
-                )
-                if link is not None:
-                    wenv.update(link.env(rank))
-                    argv = link.command(rank, argv)
-                else:
-                    wenv.update({"GLOO_SOCKET_IFNAME": "lo", "TP_SOCKET_IFNAME": "lo"})
+                argv = _worker_argv(rank, argv_for_rank, link)
+                wenv = _worker_env(rank, world_size, master_addr, port, link, env)
                 # Temp files, not pipes: a chatty worker can never block on a full pipe.
                 out = files.enter_context(tempfile.TemporaryFile())
                 err = files.enter_context(tempfile.TemporaryFile())
-                outs.append((out, err))
-                argvs.append(argv)
-                procs.append(
-                    proc := subprocess.Popen(
-                        argv,
-                        env=wenv,
-                        stdout=out,
-                        stderr=err,
-                        stdin=subprocess.DEVNULL,
-                        start_new_session=True,
-                    )
-                )
-                _live_procs.add(proc)
-
-            deadline = time.monotonic() + timeout
-            failed_at: float | None = None
-            while True:
-                codes = [p.poll() for p in procs]
-                if all(c is not None for c in codes):
-                    break
-                now = time.monotonic()
-                if failed_at is None and any(c not in (None, 0) for c in codes):
-                    failed_at = now
-                if failed_at is not None and now - failed_at > fail_fast_grace:
-                    _kill_running(procs)
-                if now > deadline:
-                    timed_out = True
-                    _kill_running(procs)
-                    for p in procs:
-                        p.wait()
-                    break
-                time.sleep(0.02)
+                workers.append(_start_worker(argv, wenv, out, err))
+            timed_out = _wait_for_exit([w.proc for w in workers], timeout, fail_fast_grace)
         except BaseException:  # KeyboardInterrupt included: never leave ranks behind
-            _kill_running(procs)
-            for p in procs:
-                with contextlib.suppress(Exception):
-                    p.wait(timeout=10)
+            _kill_and_reap([w.proc for w in workers])
             raise
         finally:
-            _live_procs.difference_update(procs)
-
-        results: list[subprocess.CompletedProcess[str]] = []
-        for p, argv, (out, err) in zip(procs, argvs, outs):
-            out.seek(0)
-            err.seek(0)
-            stdout = out.read().decode(errors="replace")
-            stderr = err.read().decode(errors="replace")
-            results.append(subprocess.CompletedProcess(argv, int(p.returncode), stdout, stderr))
+            _live_procs.difference_update([w.proc for w in workers])
+        results = [w.result() for w in workers]
     if timed_out:
-        raise WorkerTimeout(argvs[0], timeout, results)
+        raise WorkerTimeout(workers[0].argv, timeout, results)
     return results
+
+
+def _rendezvous(
+    link: EmulatedLink | None, master_port: int | None, world_size: int
+) -> tuple[str, int, int]:
+    """``(MASTER_ADDR, MASTER_PORT, world size)``: the link's endpoint 0, or loopback."""
+    if link is None:
+        port = master_port if master_port is not None else free_port()
+        return "127.0.0.1", port, world_size
+    if link.closed:
+        raise RuntimeError("EmulatedLink is closed")
+    port = master_port if master_port is not None else _NETNS_MASTER_PORT
+    return link.addresses[0], port, link.n_endpoints
+
+
+def _worker_argv(
+    rank: int, argv_for_rank: Callable[[int], list[str]], link: EmulatedLink | None
+) -> list[str]:
+    """The rank's command, wrapped to run inside its namespace when there is a link."""
+    argv = list(argv_for_rank(rank))
+    return link.command(rank, argv) if link is not None else argv
+
+
+def _worker_env(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    port: int,
+    link: EmulatedLink | None,
+    env: Mapping[str, str] | None,
+) -> dict[str, str]:
+    """This environment, then ``env``, then the torch.distributed variables and interface."""
+    wenv = dict(os.environ)
+    if env:
+        wenv.update(env)
+    wenv.update(
+        {
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+        }
+    )
+    if link is not None:
+        wenv.update(link.env(rank))
+    else:
+        wenv.update({"GLOO_SOCKET_IFNAME": "lo", "TP_SOCKET_IFNAME": "lo"})
+    return wenv
+
+
+@dataclass
+class _Worker:
+    """One launched rank: its command, its process and the files holding its output."""
+
+    argv: list[str]
+    proc: subprocess.Popen[bytes]
+    out: IO[bytes]
+    err: IO[bytes]
+
+    def result(self) -> subprocess.CompletedProcess[str]:
+        """The finished (or killed) rank's exit code and output, decoded as text."""
+        self.out.seek(0)
+        self.err.seek(0)
+        stdout = self.out.read().decode(errors="replace")
+        stderr = self.err.read().decode(errors="replace")
+        return subprocess.CompletedProcess(self.argv, int(self.proc.returncode), stdout, stderr)
+
+
+def _start_worker(argv: list[str], wenv: dict[str, str], out: IO[bytes], err: IO[bytes]) -> _Worker:
+    """Launch one rank in its own session (so it can be killed with its children)."""
+    proc = subprocess.Popen(
+        argv, env=wenv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True
+    )
+    _live_procs.add(proc)
+    return _Worker(argv, proc, out, err)
+
+
+def _wait_for_exit(
+    procs: Sequence[subprocess.Popen[bytes]], timeout: float, fail_fast_grace: float
+) -> bool:
+    """Wait until every rank has exited; return whether ``timeout`` ran out first.
+
+    Once a rank has failed, the rest are killed after ``fail_fast_grace`` seconds; at the
+    deadline all are killed and reaped.
+    """
+    deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return False
+        now = time.monotonic()
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = now
+        if failed_at is not None and now - failed_at > fail_fast_grace:
+            _kill_running(procs)
+        if now > deadline:
+            _kill_and_reap(procs, timeout=None)
+            return True
+        time.sleep(0.02)
+
+
+def _kill_and_reap(procs: Sequence[subprocess.Popen[bytes]], timeout: float | None = 10) -> None:
+    """Kill every running rank and wait for it (``timeout`` seconds each, if not ``None``)."""
+    _kill_running(procs)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.wait(timeout=timeout)
 
 
 # ---------------------------------------------------------------------------
