@@ -17,14 +17,11 @@ import pytest
 
 from pufferfish import factorize
 from pufferfish.bench import projection as proj
+from pufferfish.bench.markdown import results_markdown, train_markdown
 from pufferfish.bench.netns import netns_available
+from pufferfish.bench.results import project, train_summary
 from pufferfish.bench.rounds import compute_check, summarize
-from pufferfish.bench.runner import (
-    BenchConfig,
-    _markdown,
-    _project,
-    time_to_accuracy,
-)
+from pufferfish.bench.runner import BenchConfig, time_to_accuracy
 from pufferfish.cli import main
 from pufferfish.models import build_model
 
@@ -145,7 +142,7 @@ def test_report_from_synthetic_records(tmp_path: Path) -> None:
     rows = summarize(recs, ["100mbit", "loopback"], ["ddp", "powersgd"])
     assert rows[1]["speedup_vs_ddp"] == pytest.approx(1.0 / 0.3)
     cfg = BenchConfig(out=str(tmp_path), methods=["ddp", "powersgd"], rounds=1)
-    projection = _project(rows, cfg)
+    projection = project(rows, cfg)
     # The model's 2-worker prediction: 0.2 + 2*α + 8e7/1e8 = 1.0001 s for DDP at 100mbit.
     assert rows[0]["predicted_step_time"] == pytest.approx(0.2 + 2 * cfg.alpha + 0.8)
     assert rows[2]["predicted_step_time"] is None  # loopback, not probed: no rate to model
@@ -158,7 +155,7 @@ def test_report_from_synthetic_records(tmp_path: Path) -> None:
               "skipped": [{"bandwidth": "1gbit", "reason": "no root"}],
               "failures": [{"method": "powersgd", "bandwidth": "loopback", "round": 0,
                             "error": "rank 1 exited -6"}]}
-    md = _markdown(cfg, result, plots=[])
+    md = results_markdown(cfg, result, plots=[])
     assert "| powersgd | 100mbit |" in md and "beats DDP below" in md and "no root" in md
     assert "| ddp | 100mbit | 1 | 1000.0 [1000.0–1000.0] | 200.0 [200.0–200.0] | 800.0" in md
     assert "1. 100mbit (ddp, powersgd); loopback (ddp, powersgd)" in md
@@ -182,8 +179,6 @@ def test_emulation_unavailable_is_skipped_not_faked(tmp_path: Path,
 
 
 def test_time_to_accuracy(tmp_path: Path) -> None:
-    from pufferfish.bench.runner import _train_markdown, _train_summary
-
     rows = [{"epoch_time": 10.0, "test_acc": 0.5}, {"epoch_time": 12.0, "test_acc": 0.8}]
     assert time_to_accuracy(rows, 0.7) == 22.0
     assert time_to_accuracy(rows, 0.5) == 10.0
@@ -192,11 +187,11 @@ def test_time_to_accuracy(tmp_path: Path) -> None:
     for name, rs in (("ddp", slow), ("pufferfish", rows)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
-    summary = _train_summary("100mbit", [(m, tmp_path / m) for m in ("ddp", "pufferfish")])
+    summary = train_summary("100mbit", [(m, tmp_path / m) for m in ("ddp", "pufferfish")])
     # target: the best accuracy both runs reached (0.7)
     assert [(r["method"], r["target_acc"], r["time_to_target"]) for r in summary] == [
         ("ddp", 0.7, 60.0), ("pufferfish", 0.7, 22.0)]
-    md = _train_markdown(BenchConfig(), summary, [], [])
+    md = train_markdown(BenchConfig(), summary, [], [])
     assert "| 100mbit | pufferfish | 80.00% | 80.00% | 22.0 | 70.00% | 22.0 |" in md
 
 

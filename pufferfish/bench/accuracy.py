@@ -392,8 +392,15 @@ def _table(table: Sequence[Mapping[str, Any]], points: Sequence[float], regime: 
     return markdown_table(head, rows)
 
 
+def _run_cells(method: str, run: Mapping[str, Any]) -> list[str]:
+    done = f"{run['epochs']} of {run['epochs_planned']}"
+    if run["epochs"] < run["epochs_planned"]:
+        done += " (unfinished)"
+    return [method, f"`{run['path']}`", done, f"{100 * run['final_test_acc']:.2f}%"]
+
+
 def markdown(tta: Mapping[str, Any]) -> list[str]:
-    """The ``results.md`` sections of :func:`pufferfish.bench.runner`'s time to accuracy."""
+    """The ``results.md`` sections of :func:`pufferfish.bench.results.time_to_accuracy_result`."""
     points = tta["points_below"]
     final = tta["ddp_final_acc"]
     targets = ", ".join(f"{100 * (final - p / 100):.2f}% (−{p:g})" for p in points)
@@ -409,14 +416,9 @@ def markdown(tta: Mapping[str, Any]) -> list[str]:
         "step ms: median step time (a Pufferfish run's warm-up → after the switch). "
         "[low–high]: every step time at its min / max over rounds; speed-up vs DDP [worst–best]: "
         "DDP's low time over the method's high, and DDP's high over the method's low.", "",
-        "| method | run | epochs | final test acc |", "|---|---|---|---|",
+        *markdown_table(["method", "run", "epochs", "final test acc"],
+                        [_run_cells(method, run) for method, run in tta["runs"].items()]),
     ]
-    for method, run in tta["runs"].items():
-        done = f"{run['epochs']} of {run['epochs_planned']}"
-        if run["epochs"] < run["epochs_planned"]:
-            done += " (unfinished)"
-        lines.append(f"| {method} | `{run['path']}` | {done} | "
-                     f"{100 * run['final_test_acc']:.2f}% |")
     lines += ["", f"Targets: DDP's final {100 * final:.2f}% minus 0.5 and 1 point: {targets}.",
               "", *_table(tta["measured"]["table"], points, "link", ranges=True)]
     pj = tta["projected"]

@@ -1,0 +1,278 @@
+"""``pufferfish bench``'s settings: :class:`BenchConfig` (checked in one place), its command-line
+flags, and the measured settings of an earlier run that ``--from-results`` reuses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..data import DEFAULT_FASHION_DIR
+from ..distributed.hooks import with_option_fields
+from . import accuracy as acc
+from . import projection as proj
+from .netns import parse_bandwidth
+from .step import BENCH_METHODS, HOOK_DEFAULTS, HOOK_OPTIONS, hook_for
+
+__all__ = [
+    "DEFAULT_METHODS",
+    "IMAGE_MODELS",
+    "STEP_TIMEOUT",
+    "BenchConfig",
+    "add_arguments",
+    "config_from_args",
+    "load_results",
+    "results_path",
+]
+
+DEFAULT_METHODS = ("ddp", "fp16", "powersgd", "signum", "topk", "pufferfish")
+IMAGE_MODELS = ("resnet18", "vgg19_bn")
+STEP_TIMEOUT = 3600.0  # per worker group, when --timeout is not given
+
+
+@dataclass
+@with_option_fields(after="batch_size", defaults=HOOK_DEFAULTS, options=HOOK_OPTIONS)
+class BenchConfig:
+    """Everything ``pufferfish bench`` needs; :meth:`validate` gives one-line errors."""
+
+    model: str = "resnet18"
+    width: float = 0.5
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
+    bandwidths: list[str] = field(default_factory=lambda: ["loopback"])
+    workers: int = 2
+    steps: int = 20
+    warmup: int = 3
+    compute_steps: int = 5
+    batch_size: int = 128
+    # ... then one field per comm-hook option: powersgd_rank, powersgd_start_iter, ...
+    threads: int = 0  # 0: cores // workers
+    data_dir: str = ""
+    rounds: int = 3
+    alpha: float = proj.DEFAULT_ALPHA
+    probe: bool = True
+    timeout: float = 0.0  # 0: STEP_TIMEOUT per step group, no limit per training run
+    out: str = "runs/bench"
+    # time to accuracy from existing runs' accuracy and the measured (or reused) step times
+    accuracy_runs: str = ""
+    compute_ms: float | None = None
+    from_results: str = ""
+    # --train
+    train: bool = False
+    epochs: int = 3
+    warmup_epochs: int = 1
+    train_subset: int = 0
+    test_subset: int = 0
+    lr: float = 0.1
+
+    def validate(self) -> None:
+        """Check every value before any process starts (``ValueError``: CLI exit 2)."""
+        if self.model not in IMAGE_MODELS:
+            raise ValueError(
+                f"model {self.model!r} is invalid for the benchmark (Fashion-MNIST): "
+                f"allowed {', '.join(IMAGE_MODELS)}"
+            )
+        if not self.methods:
+            raise ValueError("--methods is empty: allowed a comma-separated list of "
+                             + ", ".join(BENCH_METHODS))
+        for m in self.methods:
+            hook_for(m)
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"--methods {','.join(self.methods)!r} names a method twice")
+        if not self.bandwidths:
+            raise ValueError("--bandwidth is empty: allowed e.g. loopback,1gbit,100mbit")
+        rates = [parse_bandwidth(b) for b in self.bandwidths]
+        if self.workers < 2:
+            raise ValueError(f"--workers {self.workers} is invalid: allowed >= 2 (DDP)")
+        if self.workers != 2 and any(r is not None for r in rates):
+            raise ValueError(
+                f"--workers {self.workers}: an emulated link connects exactly 2 workers; "
+                "use --workers 2, or --bandwidth loopback for more workers"
+            )
+        for option in HOOK_OPTIONS:
+            option.check(getattr(self, option.key))
+        for name in ("steps", "compute_steps", "batch_size", "epochs", "rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 1")
+        if self.width <= 0:
+            raise ValueError(f"width {self.width!r} is invalid: allowed > 0")
+        if self.powersgd_start_iter < 2:
+            raise ValueError(
+                f"powersgd_start_iter {self.powersgd_start_iter} is invalid: allowed >= 2 "
+                "(DDP re-buckets after step 1, and PowerSGD's memory must follow)"
+            )
+        if self.warmup < self.powersgd_start_iter:
+            raise ValueError(
+                f"warmup {self.warmup} is invalid: allowed >= powersgd_start_iter "
+                f"({self.powersgd_start_iter}), so that timed PowerSGD steps compress"
+            )
+        for name in ("threads", "train_subset", "test_subset", "warmup_epochs", "alpha", "timeout"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
+        if self.lr <= 0:
+            raise ValueError(f"lr {self.lr!r} is invalid: allowed > 0")
+        factorized = any(hook_for(m)[0] for m in self.methods)
+        if self.train and factorized and self.warmup_epochs >= self.epochs:
+            raise ValueError(
+                f"warmup_epochs {self.warmup_epochs} is invalid with epochs {self.epochs}: "
+                "Pufferfish methods need warmup_epochs < epochs"
+            )
+        self._validate_accuracy()
+        data = Path(self.data_dir) if self.data_dir else _default_data_dir()
+        if not self.from_results and not data.is_dir():
+            raise ValueError(
+                f"Fashion-MNIST directory {str(data)!r} does not exist: install the Debian "
+                "package dataset-fashion-mnist or pass --data-dir"
+            )
+
+    def _validate_accuracy(self) -> None:
+        """``--accuracy-runs`` / ``--compute-ms``: the runs exist, match the measured model and
+        batch, and the bench measures every step time their curves need."""
+        if self.compute_ms is not None and not self.compute_ms > 0:
+            raise ValueError(f"compute_ms {self.compute_ms!r} is invalid: allowed > 0 "
+                             "(milliseconds of one full-rank training step on your GPU)")
+        if not self.accuracy_runs:
+            if self.compute_ms is not None:
+                raise ValueError("--compute-ms projects time to accuracy: give --accuracy-runs "
+                                 "too")
+            return
+        if self.train:
+            raise ValueError("--accuracy-runs uses measured step times: not with --train, which "
+                             "trains over each link itself")
+        runs = self.load_accuracy_runs()
+        needed = dict.fromkeys(m for method in runs for m in acc.phase_methods(method))
+        missing = [m for m in needed if m not in self.methods]
+        if missing:
+            raise ValueError(f"--accuracy-runs {','.join(runs)} needs the step times of "
+                             f"{', '.join(missing)}: add them to --methods")
+
+    def load_accuracy_runs(self) -> dict[str, acc.AccuracyRun]:
+        return acc.load_accuracy_runs(self.accuracy_runs, model=self.model, width=self.width,
+                                      batch_size=self.batch_size,
+                                      powersgd_rank=self.powersgd_rank)
+
+    def worker_threads(self) -> int:
+        return self.threads or max(1, (os.cpu_count() or 1) // self.workers)
+
+
+def _default_data_dir() -> Path:
+    return Path(DEFAULT_FASHION_DIR)
+
+
+# -- command line --------------------------------------------------------------------------------
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The ``pufferfish bench`` options (kept here so that ``cli.py`` stays parsing-only)."""
+    d = BenchConfig()
+    ap.add_argument("--model", default=d.model, help=f"{', '.join(IMAGE_MODELS)}")
+    ap.add_argument("--width", type=float, default=d.width, help="channel multiplier")
+    ap.add_argument("--methods", default=",".join(d.methods),
+                    help=f"comma-separated, from: {', '.join(BENCH_METHODS)}")
+    ap.add_argument("--bandwidth", default="loopback",
+                    help="comma-separated: loopback and/or emulated rates such as 1gbit,100mbit "
+                         "(emulation needs root + iproute2 and exactly 2 workers)")
+    ap.add_argument("--workers", type=int, default=d.workers,
+                    help="processes per group; more than 2 only on loopback")
+    ap.add_argument("--steps", type=int, default=d.steps, help="timed full DDP steps")
+    ap.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first")
+    ap.add_argument("--compute-steps", type=int, default=d.compute_steps,
+                    help="timed steps under ddp.no_sync() (compute only)")
+    ap.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker")
+    for option in HOOK_OPTIONS:
+        ap.add_argument("--" + option.key.replace("_", "-"), type=option.kind,
+                        default=getattr(d, option.key), help=option.help)
+    ap.add_argument("--threads", type=int, default=d.threads,
+                    help="torch threads per worker (0: cores // workers)")
+    ap.add_argument("--data-dir", default=d.data_dir, help="Fashion-MNIST directory")
+    ap.add_argument("--alpha-us", type=float, default=d.alpha * 1e6,
+                    help="per-message latency of the projection model, microseconds")
+    ap.add_argument("--no-probe", dest="probe", action="store_false",
+                    help="skip the all-reduce probe that measures each link's real rate")
+    ap.add_argument("--timeout", type=float, default=d.timeout,
+                    help=f"seconds per worker group (0: {STEP_TIMEOUT:.0f} for step timing, "
+                         "no limit for --train)")
+    ap.add_argument("--rounds", type=int, default=d.rounds,
+                    help="interleaved rounds: every (link, method) once per round, the order "
+                         "rotating; rows give the median and min-max over rounds")
+    ap.add_argument("--out", default=d.out, help="output directory")
+    ap.add_argument("--accuracy-runs", default=d.accuracy_runs, metavar="METHOD=DIR,...",
+                    help="`pufferfish train` runs whose per-epoch accuracy, timed with the "
+                         "measured step times, gives accuracy against wall-clock per link, "
+                         "e.g. ddp=runs/full,powersgd=runs/psgd,pufferfish=runs/puff "
+                         "(same model, width and batch; a ddp run sets the target)")
+    ap.add_argument("--compute-ms", type=float, default=d.compute_ms,
+                    help="with --accuracy-runs: your GPU's time per full-rank training step "
+                         "(one worker's batch), to project time to accuracy for 8 and 64 "
+                         "workers at 1/10/100 Gbit/s")
+    ap.add_argument("--from-results", default=d.from_results, metavar="RESULTS_JSON",
+                    help="reuse the step times of an earlier bench (its results.json, or its "
+                         "--out directory) instead of measuring; measurement flags are ignored")
+    ap.add_argument("--train", action="store_true",
+                    help="train each method with `pufferfish train` and plot time-to-accuracy")
+    ap.add_argument("--epochs", type=int, default=d.epochs, help="--train: epochs per method")
+    ap.add_argument("--warmup-epochs", type=int, default=d.warmup_epochs,
+                    help="--train: Pufferfish's full-rank warm-up epochs")
+    ap.add_argument("--train-subset", type=int, default=d.train_subset,
+                    help="--train: first N training examples (0: all)")
+    ap.add_argument("--test-subset", type=int, default=d.test_subset,
+                    help="--train: first N test examples (0: all)")
+    ap.add_argument("--lr", type=float, default=d.lr, help="--train: learning rate")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """A validated :class:`BenchConfig` from parsed ``add_arguments`` options."""
+    measured = _measured_config(args.from_results) if args.from_results else {}
+    cfg = BenchConfig(
+        model=args.model, width=args.width,
+        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        bandwidths=[b.strip() for b in args.bandwidth.split(",") if b.strip()],
+        workers=args.workers, steps=args.steps, warmup=args.warmup,
+        compute_steps=args.compute_steps, batch_size=args.batch_size,
+        **{option.key: getattr(args, option.key) for option in HOOK_OPTIONS},
+        threads=args.threads,
+        data_dir=args.data_dir, alpha=args.alpha_us * 1e-6, probe=args.probe,
+        timeout=args.timeout, out=args.out, train=args.train, epochs=args.epochs,
+        warmup_epochs=args.warmup_epochs, train_subset=args.train_subset,
+        test_subset=args.test_subset, lr=args.lr, rounds=args.rounds,
+        accuracy_runs=args.accuracy_runs, compute_ms=args.compute_ms,
+        from_results=args.from_results,
+    )  # fmt: skip
+    for key, value in measured.items():  # what was measured, not today's flags
+        setattr(cfg, key, value)
+    cfg.validate()
+    return cfg
+
+
+# Settings that describe a measurement, taken from the results when reused.
+_MEASURED = ("model", "width", "methods", "bandwidths", "workers", "steps", "warmup",
+             "compute_steps", "batch_size", *(option.key for option in HOOK_OPTIONS), "threads",
+             "rounds")
+
+
+def results_path(path: str) -> Path:
+    p = Path(path)
+    return p / "results.json" if p.is_dir() else p
+
+
+def load_results(path: str) -> dict[str, Any]:
+    """An earlier bench's ``results.json`` (``ValueError`` if it is not one)."""
+    p = results_path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--from-results {path!r}: no {p} (allowed: a bench's results.json or "
+                         "its --out directory)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--from-results {path!r}: {p} is not JSON ({e})") from None
+    if not isinstance(data, dict) or not {"config", "rows", "rounds"} <= data.keys():
+        raise ValueError(f"--from-results {path!r}: {p} is not the results.json of a "
+                         "`pufferfish bench` with --rounds")
+    return data
+
+
+def _measured_config(path: str) -> dict[str, Any]:
+    saved = load_results(path)["config"]
+    return {k: saved[k] for k in _MEASURED if k in saved}

@@ -1,0 +1,181 @@
+"""The bench's Markdown: ``results.md`` (links, measuring order, measured rows, the compute sanity
+check, the projection, time to accuracy, failures, plots) and ``--train``'s ``train.md``; every
+table through :func:`pufferfish.formatting.markdown_table`."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..formatting import markdown_table
+from . import accuracy as acc
+from . import projection as proj
+from .config import BenchConfig, results_path
+from .netns import format_bps
+
+__all__ = ["results_markdown", "train_markdown"]
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1e3 * x:.1f}"
+
+
+def _ms_spread(row: dict[str, Any], key: str) -> str:
+    """``median [min–max]`` in milliseconds."""
+    low, high = row["spread"][key]
+    return f"{_ms(row[key])} [{_ms(low)}–{_ms(high)}]"
+
+
+def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]) -> str:
+    """``results.md``: how it was measured, then every section ``result`` has."""
+    rows = result["rows"]
+    source = (f"Step times reused from `{results_path(cfg.from_results)}`. "
+              if cfg.from_results else "")
+    lines = [
+        f"# pufferfish bench: {cfg.model} x{cfg.width}, {cfg.workers} workers",
+        "",
+        f"{source}Per worker: batch {cfg.batch_size} of Fashion-MNIST, "
+        f"{cfg.worker_threads()} torch thread(s); per method and round {cfg.warmup} warm-up "
+        f"steps, {cfg.compute_steps} compute-only steps, {cfg.steps} timed steps; {cfg.rounds} "
+        f"interleaved round(s). torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"{platform.platform()}. PowerSGD rank {cfg.powersgd_rank} (compressing from step "
+        f"{cfg.powersgd_start_iter}), top-k ratio {cfg.topk_ratio}, signum beta "
+        f"{cfg.signum_beta}; pufferfish = the paper preset at rank ratio 0.25.",
+        "",
+        "Each round runs one worker group per link that measures every method in turn; the "
+        "order of links and of methods rotates from round to round (below). Per round: step = "
+        "median full DDP step with the method's hook; compute = median step under "
+        "`ddp.no_sync()` (no gradient communication); comm = step - compute, the communication "
+        "(and hook encode/decode) NOT hidden by overlap; share = comm / step; compress = the "
+        "hook's encode/decode time (a lower bound for PowerSGD, whose decode runs in callbacks); "
+        "times are the slowest rank's. Cells: median over rounds [min–max over rounds]. "
+        "speedup vs ddp = DDP's step / the method's step in the same round and link, then "
+        "median [min–max]. MB = payload per step (`bytes_sent`), ring MB = what a rank sends "
+        "under the ring model. predicted = the α-β model at this worker count and the probed "
+        "link rate, from this row's compute and compress; error = (predicted - step) / step.",
+        "",
+        "## Links",
+        "",
+        *markdown_table(["bandwidth", "nominal", "probed all-reduce bus bandwidth"],
+                        _link_rows(result)),
+    ]
+    lines += ["", "Measuring order:", ""]
+    lines += [f"{r + 1}. " + "; ".join(f"{text} ({', '.join(ms)})" for text, ms in plan)
+              for r, plan in enumerate(result["order"])]
+    head = ["method", "bandwidth", "rounds", "step ms", "compute ms", "comm ms", "share",
+            "compress ms", "MB/step", "ring MB/step", "params", "speedup vs ddp",
+            "predicted ms", "error"]
+    lines += ["", "## Measured", "", *markdown_table(head, map(_measured_cells, rows))]
+    lines += _compute_check_markdown(result["compute_check"], [x["bandwidth"]
+                                                               for x in result["links"]])
+    lines += _projection_markdown(result["projection"])
+    if result["time_to_accuracy"]:
+        lines += acc.markdown(result["time_to_accuracy"])
+    if result["failures"]:
+        lines += ["", "## Failed groups", ""]
+        lines += [f"- {f['method']} @ {f['bandwidth']}"
+                  + (f", round {f['round'] + 1}" if "round" in f else "") + f": {f['error']}"
+                  for f in result["failures"]]
+    if plots:
+        lines += ["", *[f"![{p.stem}]({p.name})" for p in plots]]
+    return "\n".join(lines) + "\n"
+
+
+def _link_rows(result: dict[str, Any]) -> list[list[str]]:
+    """Each link's nominal and probed rate, then the links skipped (with why)."""
+    rows = [[link["bandwidth"],
+             format_bps(link["bandwidth_bps"]) if link["bandwidth_bps"] else "-",
+             format_bps(link["link_bps"]) if link["link_bps"] else "-"]
+            for link in result["links"]]
+    return rows + [[s["bandwidth"], f"skipped: {s['reason']}", "-"] for s in result["skipped"]]
+
+
+def _measured_cells(r: dict[str, Any]) -> list[str]:
+    speed = "-" if r["speedup_vs_ddp"] is None else (
+        f"{r['speedup_vs_ddp']:.2f}x [{r['spread']['speedup_vs_ddp'][0]:.2f}–"
+        f"{r['spread']['speedup_vs_ddp'][1]:.2f}]")
+    share = r["spread"]["comm_share"]
+    err = "-" if r["prediction_error"] is None else f"{100 * r['prediction_error']:+.0f}%"
+    return [r["method"], r["bandwidth"], str(r["rounds"]), _ms_spread(r, "step_time"),
+            _ms_spread(r, "compute_time"), _ms_spread(r, "comm_time"),
+            f"{100 * r['comm_share']:.0f}% [{100 * share[0]:.0f}–{100 * share[1]:.0f}]",
+            _ms(r["compress_time"]), f"{r['bytes_per_step'] / 1e6:.3f}",
+            f"{r['ring_bytes_per_step'] / 1e6:.3f}", f"{r['params'] / 1e6:.3f}M", speed,
+            _ms(r["predicted_step_time"]), err]
+
+
+def _compute_check_markdown(check: list[dict[str, Any]], links: list[str]) -> list[str]:
+    """Compute-only medians per method on every link: they should agree (no link involved)."""
+    if not check or len(links) < 2:
+        return []
+    head = ["method", *[f"{text} compute ms" for text in links], "max/min - 1", ""]
+    lines = [
+        "", "## Sanity check: compute does not depend on the link", "",
+        "A compute-only step sends nothing, so its median should be the same on every link; a "
+        "gap above 15% is flagged: the machine's load moved it, and rows that differ by less "
+        "than such a gap do not differ.", "",
+    ]
+    rows = [[c["method"], *[_ms(c["compute_time"].get(text)) for text in links],
+             f"{100 * c['disagreement']:.0f}%", "**> 15%: noisy**" if c["flagged"] else "ok"]
+            for c in check]
+    return lines + markdown_table(head, rows)
+
+
+def _projection_markdown(projection: dict[str, Any]) -> list[str]:
+    rows = projection["rows"]
+    if not rows:
+        return []
+    bws = projection["bandwidths_bps"]
+    lines = [
+        "",
+        "## Projection (ring α-β model)",
+        "",
+        f"α = {projection['alpha'] * 1e6:g} µs per message. Step = measured compute (median "
+        "over all rows of the same model: full-rank or factorized) + the method's median "
+        "compress + modelled communication with no overlap; all-reduce methods send 2(p-1)/p "
+        "of their payload, all-gather ones (signum, topk) (p-1) times it. Cells: step ms "
+        "(speedup vs ddp).",
+    ]
+    for p in projection["workers"]:
+        head = ["method", *[format_bps(b) for b in bws], "crossover vs ddp"]
+        table = []
+        for m in dict.fromkeys(r["method"] for r in rows):
+            cells = []
+            for b in bws:
+                r = next(x for x in rows if x["method"] == m and x["workers"] == p
+                         and x["bandwidth_bps"] == b)
+                speed = f" ({r['speedup_vs_ddp']:.2f}x)" if r["speedup_vs_ddp"] else ""
+                cells.append(f"{_ms(r['step_time'])}{speed}")
+            cross = projection["crossovers"].get(m, {}).get(str(p))
+            table.append([m, *cells, proj.Crossover(**cross).describe() if cross else "-"])
+        lines += ["", f"### p = {p}", "", *markdown_table(head, table)]
+    return lines
+
+
+def train_markdown(cfg: BenchConfig, runs: list[dict[str, Any]],
+                   skipped: list[dict[str, str]], failures: list[dict[str, str]]) -> str:
+    """``train.md``: per link and method, accuracy and the time to the link's common target."""
+    lines = [
+        f"# pufferfish bench --train: {cfg.model} x{cfg.width}, {cfg.workers} workers, "
+        f"{cfg.epochs} epochs",
+        "",
+        "Time = summed training epoch times (evaluation excluded); target = the best test "
+        "accuracy that every run on that link reached. Plots: train/<bandwidth>/accuracy.png.",
+        "",
+        *markdown_table(["bandwidth", "method", "final acc", "best acc", "train s", "target acc",
+                         "s to target"], map(_train_cells, runs)),
+    ]
+    lines += [f"- {s['bandwidth']}: skipped ({s['reason']})" for s in skipped]
+    lines += [f"- {f['method']} @ {f['bandwidth']}: FAILED: {f['error']}" for f in failures]
+    return "\n".join(lines) + "\n"
+
+
+def _train_cells(r: dict[str, Any]) -> list[str]:
+    reach = "-" if r["time_to_target"] is None else f"{r['time_to_target']:.1f}"
+    return [r["bandwidth"], r["method"], f"{100 * r['final_test_acc']:.2f}%",
+            f"{100 * r['best_test_acc']:.2f}%", f"{r['train_time']:.1f}",
+            f"{100 * r['target_acc']:.2f}%", reach]

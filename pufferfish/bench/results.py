@@ -1,0 +1,128 @@
+"""From the bench's measured records to its results: the projection (with the model's prediction
+of every measured row), time to accuracy from ``--accuracy-runs``, and ``--train``'s summary."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ..training.metrics import read_metrics
+from . import accuracy as acc
+from . import projection as proj
+from .accuracy import time_to_accuracy
+from .config import BenchConfig
+
+__all__ = ["project", "time_to_accuracy_result", "train_summary"]
+
+
+def _profile(method: str, recs: list[dict[str, Any]],
+             all_recs: list[dict[str, Any]]) -> proj.CommProfile:
+    """A method's profile for the projection.
+
+    ``compute_time`` is the median over every record of the same model (full-rank or
+    factorized), at every bandwidth: compute-only steps run no hook, so ddp, fp16,
+    powersgd, signum and topk do identical work there, and pooling them damps the noise of
+    a shared machine. ``compress_time`` is the median of the method's own records.
+    """
+    same_model = [r["compute_time"] for r in all_recs if r["factorized"] == recs[0]["factorized"]]
+    return proj.CommProfile.for_method(
+        method,
+        compute_time=statistics.median(same_model),
+        compress_time=statistics.median(r["compress_time"] for r in recs),
+        payload_bytes=recs[0]["bytes_per_step"],
+        collectives=recs[0]["collectives_per_step"],
+    )
+
+
+def project(records: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
+    """Projection to large clusters, and the model's prediction of every measured record."""
+    by_method: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_method.setdefault(r["method"], []).append(r)
+    profiles = [_profile(m, rs, records) for m, rs in by_method.items()]
+    for r in records:
+        bps = r["link_bps"] or r["bandwidth_bps"]
+        r["model_bps"] = bps
+        if bps is None:
+            r["predicted_step_time"] = r["prediction_error"] = None
+            continue
+        own = proj.CommProfile.for_method(r["method"], r["compute_time"], r["compress_time"],
+                                          r["bytes_per_step"], r["collectives_per_step"])
+        pred = proj.step_time(own, r["workers"], bps, cfg.alpha)
+        r["predicted_step_time"] = pred
+        r["prediction_error"] = (pred - r["step_time"]) / r["step_time"]
+    ddp = next((p for p in profiles if p.method == "ddp"), None)
+    crossovers = {
+        p.method: {
+            str(w): asdict(proj.crossover(p, ddp, w, cfg.alpha)) for w in proj.DEFAULT_WORKERS
+        }
+        for p in profiles
+        if ddp is not None and p.method != "ddp"
+    }
+    return {
+        "alpha": cfg.alpha,
+        "workers": list(proj.DEFAULT_WORKERS),
+        "bandwidths_bps": list(proj.DEFAULT_BANDWIDTHS),
+        "profiles": [asdict(p) for p in profiles],
+        "rows": proj.project(profiles, alpha=cfg.alpha),
+        "crossovers": crossovers,
+    }
+
+
+# -- time to accuracy -------------------------------------------------------------------------------
+
+
+def time_to_accuracy_result(cfg: BenchConfig, rows: list[dict[str, Any]], links: list[str],
+                            projection: dict[str, Any]) -> dict[str, Any] | None:
+    """``--accuracy-runs`` timed with the measured step times of each link (and, with
+    ``--compute-ms``, projected): curves and the time-to-target table, or ``None``."""
+    if not cfg.accuracy_runs:
+        return None
+    runs = cfg.load_accuracy_runs()
+    step_times = {(r["bandwidth"], r["method"]): acc.StepTime(r["step_time"],
+                                                              *r["spread"]["step_time"])
+                  for r in rows}
+    ddp_final = runs["ddp"].accuracies[-1]
+    curves = acc.measured_curves(runs, step_times, links, cfg.workers)
+    result: dict[str, Any] = {
+        "runs": {m: {"path": r.path, "epochs": len(r.rows), "epochs_planned": r.epochs_planned,
+                     "final_test_acc": r.accuracies[-1], "batch_size": r.batch_size,
+                     "train_examples": r.train_examples} for m, r in runs.items()},
+        "ddp_final_acc": ddp_final,
+        "points_below": list(acc.TARGET_POINTS),
+        "workers": cfg.workers,
+        "measured": {"curves": [asdict(c) for c in curves],
+                     "table": acc.target_table(curves, ddp_final)},
+        "projected": None,
+    }
+    if cfg.compute_ms is not None:
+        profiles = [proj.CommProfile(**p) for p in projection["profiles"]]
+        projected, info = acc.projected_curves(runs, profiles, cfg.compute_ms, alpha=cfg.alpha)
+        result["projected"] = {
+            "compute_ms": cfg.compute_ms, **info, "alpha": cfg.alpha,
+            "workers": list(acc.PROJECTED_WORKERS),
+            "bandwidths_bps": list(proj.DEFAULT_BANDWIDTHS),
+            "curves": [asdict(c) for c in projected],
+            "table": acc.target_table(projected, ddp_final)}
+    return result
+
+
+def train_summary(text: str, done: list[tuple[str, Path]]) -> list[dict[str, Any]]:
+    """Per ``--train`` run of link ``text``: final and best accuracy, training time, and the time
+    to reach the best accuracy that every run of that link reached."""
+    rows = {m: read_metrics(d) for m, d in done}
+    target = min(max(r["test_acc"] for r in rs) for rs in rows.values())
+    return [
+        {
+            "method": m,
+            "bandwidth": text,
+            "final_test_acc": rs[-1]["test_acc"],
+            "best_test_acc": max(r["test_acc"] for r in rs),
+            "train_time": sum(r["epoch_time"] for r in rs),
+            "target_acc": target,
+            "time_to_target": time_to_accuracy(rs, target),
+        }
+        for m, rs in rows.items()
+    ]
