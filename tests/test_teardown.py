@@ -99,6 +99,10 @@ def _worker(rank: int, tmp: Path, teardown: str) -> None:
         dist.destroy_process_group()
     elif teardown == "cleanup":
         cleanup()
+    elif teardown == "cleanup+exit":  # the success path of `pufferfish train` and the bench
+        cleanup()
+        print("flushed before os._exit", flush=False)
+        exit_process(0)
     else:  # the failure path of `pufferfish train`
         cleanup(drain=False)
         print(f"callback released at exit: {released.exists()}", flush=True)
@@ -134,6 +138,17 @@ def test_cleanup_runs_pending_callbacks_before_the_interpreter_shuts_down(tmp_pa
     # The pending all-reduce was finished (here: failed at the timeout, as rank 0 never came)
     # and gloo had released its Python callback before cleanup() returned.
     assert "callback released at exit: True" in result.stdout
+
+
+def test_a_process_that_had_a_group_exits_without_interpreter_shutdown(tmp_path: Path) -> None:
+    """cleanup()'s barrier cannot wait for a callback's release (a future wakes its waiters first),
+    so exit_process never lets the interpreter shut down after a group: no late release can
+    abort it. Output written before is still flushed."""
+    result = _run_pair(tmp_path, "cleanup+exit")
+    assert "terminate called" not in result.stderr
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "flushed before os._exit" in result.stdout
+    assert not (tmp_path / "finalizing").exists()  # no interpreter shutdown ran
 
 
 def test_undrained_teardown_exits_without_interpreter_shutdown(tmp_path: Path) -> None:
