@@ -168,4 +168,8 @@ def _reducer_covers(wrapper: Any, module: Any) -> bool | None:
 
 
 if __name__ == "__main__":
+    from pufferfish.distributed.env import cleanup, exit_process
+
     main(sys.argv[1])
+    cleanup()  # comm hooks with Python callbacks ran: drained teardown, no interpreter shutdown
+    exit_process(0)

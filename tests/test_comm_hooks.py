@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pufferfish.distributed.env import cleanup
+from pufferfish.distributed.env import cleanup, exit_process
 from pufferfish.distributed.hooks import (
     HOOK_NAMES,
     CommHookState,
@@ -238,6 +238,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         finished = True
     finally:
         cleanup(drain=finished)  # a bare destroy_process_group let rank 1 abort at exit under load
+    exit_process(0)  # no interpreter shutdown after a group (pufferfish.distributed.env)
 
 
 # --------------------------------------------------------------------------- parent side

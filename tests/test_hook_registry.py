@@ -26,7 +26,7 @@ from pufferfish.bench.projection import ALLGATHER_METHODS
 from pufferfish.bench.runner import BenchConfig
 from pufferfish.bench.step import BENCH_METHODS as METHODS
 from pufferfish.config import FIELDS, ConfigError, TrainConfig, field_kind, load_config
-from pufferfish.distributed.env import cleanup
+from pufferfish.distributed.env import cleanup, exit_process
 from pufferfish.distributed.hooks import (
     HOOK_NAMES,
     CommHookState,
@@ -108,6 +108,7 @@ def _clipped_worker(rank: int, init_file: str, out_dir: str) -> None:
         finished = True
     finally:
         cleanup(drain=finished)
+    exit_process(0)  # no interpreter shutdown after a group (pufferfish.distributed.env)
 
 
 # --- tests ------------------------------------------------------------------------------------

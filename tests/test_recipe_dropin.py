@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import lr_scheduler
 
 import pufferfish as pf
-from pufferfish.distributed.env import ddp_options
+from pufferfish.distributed.env import cleanup, ddp_options, exit_process
 from pufferfish.lowrank import LowRankModule
 
 
@@ -382,6 +382,7 @@ def _ddp_worker(rank: int, port: int, queue: Any) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    finished = False
     try:
         results = {
             "options": _ddp_run(rank, dict(find_unused_parameters=True, broadcast_buffers=False,
@@ -394,11 +395,15 @@ def _ddp_worker(rank: int, port: int, queue: Any) -> None:
             "mixed_precision": _mixed_precision_rewrap(),
         }
         queue.put((rank, results))
+        finished = True
     except Exception as error:  # report it to the parent instead of hanging it
         queue.put((rank, repr(error)))
         raise
     finally:
-        dist.destroy_process_group()
+        queue.close()
+        queue.join_thread()  # the result is sent before the process ends
+        cleanup(drain=finished)  # comm hooks ran: drained teardown, then no interpreter shutdown
+    exit_process(0)
 
 
 @pytest.fixture(scope="module")

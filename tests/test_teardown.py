@@ -70,7 +70,7 @@ def _worker(rank: int, tmp: Path, teardown: str) -> None:
     ddp = DistributedDataParallel(nn.Linear(4, 2))
     register_comm_hook(ddp, "allreduce")
     ddp(torch.ones(3, 4)).sum().backward()
-    waits_long = rank == 1 and teardown != "cleanup"
+    waits_long = rank == 1 and teardown != "cleanup+exit"
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=LONG_TIMEOUT_S if waits_long
                                                     else PENDING_TIMEOUT_S))
     if rank == 0:
@@ -97,8 +97,6 @@ def _worker(rank: int, tmp: Path, teardown: str) -> None:
     del holder
     if teardown == "bare":  # what the comm-hook test workers did before
         dist.destroy_process_group()
-    elif teardown == "cleanup":
-        cleanup()
     elif teardown == "cleanup+exit":  # the success path of `pufferfish train` and the bench
         cleanup()
         print("flushed before os._exit", flush=False)
@@ -131,19 +129,11 @@ def test_bare_destroy_aborts_when_a_callback_outlives_the_interpreter(tmp_path: 
     assert "terminate called" in result.stderr
 
 
-def test_cleanup_runs_pending_callbacks_before_the_interpreter_shuts_down(tmp_path: Path) -> None:
-    result = _run_pair(tmp_path, "cleanup")
-    assert "terminate called" not in result.stderr
-    assert result.returncode == 0, result.stderr[-2000:]
-    # The pending all-reduce was finished (here: failed at the timeout, as rank 0 never came)
-    # and gloo had released its Python callback before cleanup() returned.
-    assert "callback released at exit: True" in result.stdout
-
-
 def test_a_process_that_had_a_group_exits_without_interpreter_shutdown(tmp_path: Path) -> None:
-    """cleanup()'s barrier cannot wait for a callback's release (a future wakes its waiters first),
-    so exit_process never lets the interpreter shut down after a group: no late release can
-    abort it. Output written before is still flushed."""
+    """cleanup()'s barrier cannot wait for a callback's release (a future wakes its waiters first):
+    with a normal interpreter shutdown after it, this order aborted 1 run in 30 under load. So
+    exit_process never lets the interpreter shut down after a group: no late release can abort
+    it. Output written before is still flushed."""
     result = _run_pair(tmp_path, "cleanup+exit")
     assert "terminate called" not in result.stderr
     assert result.returncode == 0, result.stderr[-2000:]

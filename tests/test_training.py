@@ -18,7 +18,7 @@ from torch import nn
 
 import pufferfish as pf
 from pufferfish.config import load_config
-from pufferfish.distributed.env import cleanup
+from pufferfish.distributed.env import cleanup, exit_process
 from pufferfish.training.checkpoint import latest_checkpoint
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -125,7 +125,10 @@ def _switch_worker(rank: int, world: int, port: int, queue: mp.Queue) -> None:
     kinds = [type(m).__name__ for m in ddp.module]
     if rank == 0:
         queue.put((gathered, kinds, opt.state_dict()["state"] != {}))
+    queue.close()
+    queue.join_thread()  # the result is sent before os._exit
     cleanup()
+    exit_process(0)  # no interpreter shutdown after a group (pufferfish.distributed.env)
 
 
 def test_replicas_identical_after_the_switch() -> None:
