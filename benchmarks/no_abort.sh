@@ -5,6 +5,8 @@
 # called" in the output). Logs of failed runs are kept under --workdir.
 #   benchmarks/no_abort.sh [N (30)] [--workdir DIR (/tmp/pufferfish-no-abort)]
 #                          [--suites comm-hooks,training-2proc,bench (all)]
+#                          [--external-load]  (another job already keeps every core busy: start
+#                                              no busy processes; the load average is logged anyway)
 # About 2 hours with N=30 on 2 loaded CPUs, 25 minutes for the bench alone (docs/reliability.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,20 +15,25 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 N=${1:-30}
 WORK=/tmp/pufferfish-no-abort
 SUITES=comm-hooks,training-2proc,bench
+EXTERNAL_LOAD=0
 shift || true
 while [ $# -gt 0 ]; do
   case $1 in
     --workdir) WORK=$2; shift 2 ;;
     --suites) SUITES=$2; shift 2 ;;
-    *) echo "no_abort.sh: unknown argument '$1': allowed N, --workdir DIR, --suites LIST" >&2; exit 2 ;;
+    --external-load) EXTERNAL_LOAD=1; shift ;;
+    *) echo "no_abort.sh: unknown argument '$1': allowed N, --workdir DIR, --suites LIST, --external-load" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$WORK"
 
-# The load: one busy process per core, at normal priority, for the whole campaign.
+# The load: one busy process per core, at normal priority, for the whole campaign (unless another
+# job provides it); each round logs the 1-minute load average so the tally shows the cores were busy.
 LOAD=()
-for _ in $(seq "$(nproc)"); do "$PY" -c "while True: pass" & LOAD+=($!); done
-trap 'kill "${LOAD[@]}" 2>/dev/null' EXIT
+if [ "$EXTERNAL_LOAD" = 0 ]; then
+  for _ in $(seq "$(nproc)"); do "$PY" -c "while True: pass" & LOAD+=($!); done
+  trap 'kill "${LOAD[@]}" 2>/dev/null' EXIT
+fi
 
 declare -A RUNS FAILED ABORTS
 suite() {  # name, command...
@@ -52,7 +59,7 @@ for i in $(seq "$N"); do
     -k "two_process or replicas or switch_keeps or resume_gives"
   suite bench "$PY" -m pufferfish bench --model resnet18 --width 0.25 --methods ddp,powersgd,pufferfish \
     --steps 4 --warmup 2 --compute-steps 2 --batch-size 16 --no-probe --out "$WORK/bench-out"
-  echo "round $i/$N done at $(( $(date +%s) - start )) s"
+  echo "round $i/$N done at $(( $(date +%s) - start )) s, load average $(cut -d' ' -f1 /proc/loadavg)"
 done
 
 echo
@@ -61,4 +68,5 @@ echo "|---|---|---|---|"
 for name in ${SUITES//,/ }; do
   echo "| $name | ${RUNS[$name]:-0} | ${ABORTS[$name]:-0} | ${FAILED[$name]:-0} |"
 done
-echo "load: $(nproc) busy processes; $(( $(date +%s) - start )) s in all"
+if [ "$EXTERNAL_LOAD" = 0 ]; then load="$(nproc) busy processes"; else load="external"; fi
+echo "load: $load; $(( $(date +%s) - start )) s in all"
