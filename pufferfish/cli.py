@@ -185,14 +185,16 @@ def _config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...]) -> Non
             continue
         kind = field_kind(name)
         flag = "--" + name.replace("_", "-")
-        default_text = f.default if f.default is not f.default_factory else "[]"  # type: ignore[misc]
         if kind is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                                default=None, help=f"(default: {default_text})")
+                                default=None, help=f"(default: {f.default})")
+        elif kind is list:  # a list default comes from a factory; shown as it would be typed
+            default = f.default_factory()  # type: ignore[misc]
+            parser.add_argument(flag, dest=name, default=None, metavar="LIST",
+                                help=f"comma-separated (default: '{','.join(map(str, default))}')")
         else:
             parser.add_argument(flag, dest=name, default=None, metavar=kind.__name__.upper(),
-                                help=f"(default: {default_text!r})" + (
-                                    ", comma-separated" if kind is list else ""))
+                                help=f"(default: {f.default!r})")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

@@ -122,3 +122,15 @@ def test_skipped_step_changes_nothing_and_the_meter_counts_it() -> None:
     resumed = EpochMeter()
     resumed.load_state_dict(saved)
     assert resumed.state_dict() == saved
+
+
+def test_train_help_shows_every_default_as_it_would_be_typed(capsys: pytest.CaptureFixture) -> None:
+    from pufferfish.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "MISSING" not in text and "object at 0x" not in text
+    assert "--milestones LIST comma-separated (default: '0.5,0.75')" in text
+    assert "--keep LIST comma-separated (default: '')" in text
+    assert "--epochs INT (default: 10)" in text
