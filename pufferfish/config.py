@@ -23,6 +23,7 @@ __all__ = ["ConfigError", "TrainConfig", "dump_toml", "load_config"]
 
 SCHEDULES = ("multistep", "cosine", "constant")
 NONFINITE = ("stop", "skip")
+SWITCH_MOMENTUM = ("reset", "project")  # the optimizer state of the factors at the switch
 # The comm hooks' options (powersgd_rank, topk_ratio, ...) are fields placed after ``comm``,
 # with their defaults and allowed values from the hook registry (pufferfish.distributed.hooks).
 HOOK_OPTIONS = all_hook_options()
@@ -58,6 +59,7 @@ class TrainConfig:
     keep_first: int = 0  # also keep the first K factorizable layers full-rank
     extra_bn: bool = False  # BatchNorm between the two factors of each conv
     frobenius_decay: float = 0.0  # λ of Frobenius decay on low-rank layers (0: plain weight decay)
+    switch_momentum: str = "reset"  # at the switch: reset (the paper) or project onto the factors
     # Baselines (pufferfish.baselines): lth = lottery ticket, prune = network slimming
     target_params: int = 0  # lth/prune: total parameter count to reach (0: by rounds/prune_ratio)
     rounds: int = 0  # lth: pruning rounds L, each retrained `epochs` (0: what target needs, else 3)
@@ -112,6 +114,7 @@ class TrainConfig:
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("backend", self.backend, ("auto", "gloo", "nccl"))
         _choice("nonfinite", self.nonfinite, NONFINITE)
+        _choice("switch_momentum", self.switch_momentum, SWITCH_MOMENTUM)
         _positive("width", self.width)
         _positive("epochs", self.epochs)
         _positive("batch_size", self.batch_size)

@@ -43,7 +43,7 @@ class PufferfishMethod(FullRankMethod):
 
     name = "pufferfish"
     run_fields = ("mode", "warmup_epochs", "rank_ratio", "preset", "keep", "keep_first",
-                  "extra_bn")
+                  "extra_bn", "switch_momentum")
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
@@ -69,6 +69,30 @@ class PufferfishMethod(FullRankMethod):
         decided = self.switch.describe()
         return Change("factorization", text + ("\n" + decided if decided else ""),
                       {"epoch": epoch, **report.to_dict(), "decisions": self.switch.plan.decisions})
+
+    def carry_state(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer,
+                    before: dict[str, torch.Tensor], model: nn.Module) -> None:
+        """``switch_momentum = "project"``: every parameter that survives the switch keeps its
+        optimizer state, and each low-rank layer's factors get the momentum of the dense weights
+        they replace, projected by the chain rule (:meth:`LowRankModule.project_dense_state`).
+        ``"reset"`` (the paper): nothing carried, all momentum starts from zero."""
+        if self.cfg.switch_momentum != "project":
+            return
+        for p in model.parameters():
+            if p in old.state:
+                new.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                for k, v in old.state[p].items()}
+        alive = {id(p) for p in model.parameters()}
+        for name, module in model.named_modules():
+            if not isinstance(module, LowRankModule):
+                continue
+            prefix = f"{name}." if name else ""
+            dense = {n[len(prefix):]: old.state[t]["momentum_buffer"] for n, t in before.items()
+                     if n.startswith(prefix) and id(t) not in alive and t in old.state
+                     and "momentum_buffer" in old.state[t]}
+            if dense:
+                for n, buf in module.project_dense_state(dense).items():
+                    new.state[module.get_parameter(n)] = {"momentum_buffer": buf}
 
     def on_step_end(self, epoch: int, step: int, steps: int, model: nn.Module) -> None:
         # Between epoch ends, feed the switch detector every N steps so that its window (in

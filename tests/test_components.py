@@ -134,3 +134,40 @@ def test_train_help_shows_every_default_as_it_would_be_typed(capsys: pytest.Capt
     assert "--milestones LIST comma-separated (default: '0.5,0.75')" in text
     assert "--keep LIST comma-separated (default: '')" in text
     assert "--epochs INT (default: 10)" in text
+
+
+@pytest.mark.parametrize("switch_momentum", ["reset", "project"])
+def test_switch_momentum_resets_or_projects_the_optimizer_state(switch_momentum: str) -> None:
+    cfg = TrainConfig(mode="pufferfish", warmup_epochs="1", rank_ratio="0.25", preset="none",
+                      keep=["0"], switch_momentum=switch_momentum)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    method, model = build_method(cfg), mlp()
+    method.setup(model, x, cfg)
+    old = torch.optim.SGD(method.param_groups(model, cfg), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        old.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        old.step()
+    before = dict(model.named_parameters(remove_duplicate=False))
+    assert method.on_epoch_start(1, model) is not None
+    new = torch.optim.SGD(method.param_groups(model, cfg), lr=0.1, momentum=0.9)
+    method.carry_state(old, new, before, model)
+    if switch_momentum == "reset":  # the paper: every parameter starts from zero momentum
+        assert not new.state
+        return
+    params = dict(model.named_parameters())
+    assert len(new.state) == len(params)  # every parameter has momentum, factors included
+    torch.testing.assert_close(new.state[params["0.weight"]]["momentum_buffer"],
+                               old.state[before["0.weight"]]["momentum_buffer"])  # kept layer
+    m = old.state[before["2.weight"]]["momentum_buffer"]  # the dense momentum, projected
+    u, v = params["2.u.weight"], params["2.v.weight"]
+    torch.testing.assert_close(new.state[u]["momentum_buffer"], m @ v.detach().T)
+    torch.testing.assert_close(new.state[v]["momentum_buffer"], u.detach().T @ m)
+    torch.testing.assert_close(new.state[params["2.u.bias"]]["momentum_buffer"],
+                               old.state[before["2.bias"]]["momentum_buffer"])
+
+
+def test_switch_momentum_allows_reset_or_project() -> None:
+    with pytest.raises(ConfigError, match=r"^switch_momentum 'keep' is invalid: allowed reset, "
+                                          r"project$"):
+        TrainConfig(switch_momentum="keep")

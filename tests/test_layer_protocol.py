@@ -174,3 +174,34 @@ def test_one_kernel_layers_refuse_a_kernel_by_name() -> None:
     assert low.kernel_options() == () and low.current_kernel() is None
     with pytest.raises(ValueError, match="LowRankLinear has no kernel 'fused': allowed none"):
         low.use_kernel("fused")
+
+
+@pytest.mark.parametrize("dense, example", [
+    (nn.Linear(12, 10), (torch.randn(5, 12),)),
+    (nn.Conv2d(6, 8, 3, padding=1), (torch.randn(2, 6, 7, 7),)),
+    (nn.LSTM(7, 9, num_layers=2), (torch.randn(4, 3, 7),)),
+    (nn.MultiheadAttention(8, 2), (torch.randn(4, 3, 8),) * 3),
+])
+def test_projected_dense_gradient_is_the_factors_gradient(dense: nn.Module,
+                                                          example: tuple[torch.Tensor, ...]) -> None:
+    """The chain rule, checked: the gradient of a loss with respect to the dense weights
+    ``W = L @ R``, projected, equals the gradient the low-rank layer's own factors get."""
+    torch.manual_seed(0)
+    low = base.low_rank_class_for(dense).from_dense(dense, 3)
+
+    def loss(module: nn.Module) -> torch.Tensor:
+        out = module(*example)
+        return (out[0] if isinstance(out, tuple) else out).square().sum()
+
+    merged = low.to_dense()  # W = L @ R exactly: the point where both gradients are taken
+    dense_grads = dict(zip([n for n, _ in merged.named_parameters()],
+                           torch.autograd.grad(loss(merged), list(merged.parameters()))))
+    factor_grads = dict(zip([n for n, _ in low.named_parameters()],
+                            torch.autograd.grad(loss(low), list(low.parameters()))))
+    projected = low.project_dense_state(dense_grads)
+    matrices = [n for n, p in low.named_parameters() if p.dim() > 1]
+    assert set(matrices) <= set(projected)
+    for name, value in projected.items():
+        torch.testing.assert_close(value, factor_grads[name], rtol=1e-4, atol=1e-5)
+    if isinstance(dense, nn.MultiheadAttention):  # q/k/v biases have no dense counterpart
+        assert {"q_proj.u.bias", "k_proj.u.bias", "v_proj.u.bias"}.isdisjoint(projected)

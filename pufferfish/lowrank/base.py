@@ -108,6 +108,45 @@ class LowRankModule(nn.Module):
         """
         raise NotImplementedError
 
+    def project_dense_state(self, dense_state: Mapping[str, torch.Tensor]
+                            ) -> dict[str, torch.Tensor]:
+        """Gradient-like tensors of the dense original (``dense_state``: its parameter names, as
+        in :meth:`to_dense`, to e.g. SGD momentum buffers) as tensors for this layer's parameters.
+
+        Each factor pair ``(L, R)`` of a dense matrix ``W = L @ R`` gets the chain rule's
+        ``G @ Rᵀ`` and ``Lᵀ @ G`` for the matching ``G``: what the momentum of ``W`` would be had
+        it been accumulated on the factors at their current values. A vector (a bias) is carried
+        over from the dense tensor of its name, or of its name less one inner component, and its
+        shape (``bias`` -> ``u.bias``, ``out_proj.bias`` -> ``out_proj.u.bias``). Parameters with no answer are left out (their state starts from zero).
+        Used when an optimizer's state is carried across the switch (``switch_momentum``).
+        """
+        ghost = self.to_dense()
+        with torch.no_grad():
+            for name, p in ghost.named_parameters():
+                if name in dense_state:
+                    p.copy_(dense_state[name])
+                else:
+                    p.zero_()
+        targets = type(self).dense_matrices(ghost)
+        pairs = self.factor_pairs()
+        shapes_match = len(targets) == len(pairs) and all(
+            t.shape == (left.shape[0], right.shape[-1]) for t, (left, right) in zip(targets, pairs))
+        params = dict(self.named_parameters())
+        projected: dict[str, torch.Tensor] = {}
+        if shapes_match and pairs:
+            with torch.enable_grad():
+                total = sum((t.detach() * (left @ right)).sum()
+                            for t, (left, right) in zip(targets, pairs))
+                grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
+            projected = {n: g.detach() for n, g in zip(params, grads) if g is not None}
+        for name, p in params.items():
+            parts = name.split(".")
+            names = {name} | {".".join(parts[:i] + parts[i + 1:]) for i in range(len(parts) - 1)}
+            same = [t for n, t in dense_state.items() if n in names and t.shape == p.shape]
+            if name not in projected and p.dim() <= 1 and len(same) == 1:
+                projected[name] = same[0].detach().clone()
+        return projected
+
     # --- what code that reads a model asks; the defaults fit one-weight layers (Linear, Conv2d)
 
     @classmethod

@@ -243,12 +243,15 @@ def _write_config(cfg: TrainConfig, env: DistEnv, run_dir: Path) -> None:
 def _start_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
                  run_dir: Path) -> None:
     """Before an epoch's first step: the method's change of the model, if any, then a fresh
-    optimizer (its state reset), DDP wrapper and comm hook for the changed parameters."""
+    optimizer (its state reset unless the method carries some over), DDP wrapper and comm hook
+    for the changed parameters."""
     task.start_epoch(run.progress.epoch)
+    before = dict(run.model.named_parameters(remove_duplicate=False))
     change = method.on_epoch_start(run.progress.epoch, run.model)
     if change is None:
         return
     fresh = _prepare(cfg, run.model, env, method)
+    method.carry_state(run.optimizer, fresh.optimizer, before, run.model)
     run.optimizer, run.wrapped, run.hook_state = fresh.optimizer, fresh.wrapped, fresh.hook_state
     run.figures = None
     _record_change(env, change, run_dir)

@@ -66,6 +66,12 @@ class Method:
         """
         return None
 
+    def carry_state(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer,
+                    before: dict[str, torch.Tensor], model: nn.Module) -> None:
+        """After a change, the loop's fresh optimizer ``new`` may inherit state from ``old``
+        (``before``: the model's named parameters before the change). Default: none, every
+        parameter starts from zero momentum."""
+
     def on_step_end(self, epoch: int, step: int, steps: int, model: nn.Module) -> None:
         """After optimizer step ``step`` (1-based) of ``steps`` in ``epoch``: observe only."""
 
