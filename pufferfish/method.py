@@ -17,7 +17,7 @@ from torch import nn
 from .auto import frobenius_decay, frobenius_decay_params
 from .config import TrainConfig
 from .lowrank import LowRankModule, count_macs
-from .switch import FactorizationPlan, Switch, SwitchPolicy
+from .switch import FactorizationPlan, Switch, SwitchPolicy, projected_momentum
 from .training.methods.base import Change, Method
 
 __all__ = ["FullRankMethod", "PufferfishMethod"]
@@ -82,17 +82,8 @@ class PufferfishMethod(FullRankMethod):
             if p in old.state:
                 new.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
                                 for k, v in old.state[p].items()}
-        alive = {id(p) for p in model.parameters()}
-        for name, module in model.named_modules():
-            if not isinstance(module, LowRankModule):
-                continue
-            prefix = f"{name}." if name else ""
-            dense = {n[len(prefix):]: old.state[t]["momentum_buffer"] for n, t in before.items()
-                     if n.startswith(prefix) and id(t) not in alive and t in old.state
-                     and "momentum_buffer" in old.state[t]}
-            if dense:
-                for n, buf in module.project_dense_state(dense).items():
-                    new.state[module.get_parameter(n)] = {"momentum_buffer": buf}
+        for p, buf in projected_momentum(old.state, before, model).items():
+            new.state[p] = {"momentum_buffer": buf}
 
     def on_step_end(self, epoch: int, step: int, steps: int, model: nn.Module) -> None:
         # Between epoch ends, feed the switch detector every N steps so that its window (in

@@ -48,7 +48,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .distributed.env import ddp_options, rewrap_ddp
-from .switch import FactorizationPlan, Switch, SwitchPolicy
+from .switch import FactorizationPlan, Switch, SwitchPolicy, projected_momentum
 
 __all__ = ["ParameterSwap", "Recipe", "swap_parameters"]
 
@@ -77,6 +77,10 @@ class Recipe:
         min_warmup, max_warmup: bounds of the automatic switch epoch.
         switch_threshold, switch_window: the automatic switch's plateau test, see
             :class:`~pufferfish.auto.SwitchDetector` (change per epoch, window in epochs).
+        switch_momentum: ``"reset"`` (the paper): a replaced weight's state is deleted;
+            ``"project"``: its SGD momentum is projected onto its factors
+            (:func:`~pufferfish.switch.projected_momentum`). Other optimizers' state (Adam's
+            moments) is reset either way.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class Recipe:
         max_warmup: int | None = None,
         switch_threshold: float = 0.05,
         switch_window: float = 1.0,
+        switch_momentum: str = "reset",
     ) -> None:
         if not isinstance(keep, str) and isinstance(keep, Iterable):
             keep = list(keep)  # checked, then used: an iterator must be read once
@@ -106,6 +111,7 @@ class Recipe:
                                  example_input=example_input)
         self.switch_owner = Switch(policy, plan)
         self.on_wrap = on_wrap
+        self.switch_momentum = switch_momentum
         self.parameter_swap: ParameterSwap | None = None  # what the switch did to the optimizer
         self._wrapper_checked = False
 
@@ -191,8 +197,12 @@ class Recipe:
         before = dict(inner.named_parameters(remove_duplicate=False))
         self.switch_owner.switch(epoch, inner)
         if optimizer is not None:
+            carried = (projected_momentum(optimizer.state, before, inner)
+                       if self.switch_momentum == "project" else {})
             self.parameter_swap = swap_parameters(
                 optimizer, before, dict(inner.named_parameters(remove_duplicate=False)))
+            for p, buf in carried.items():
+                optimizer.state[p]["momentum_buffer"] = buf
         if isinstance(model, DistributedDataParallel):
             model = rewrap_ddp(model, register_hooks=self.on_wrap is None)
             if self.on_wrap is not None:
@@ -379,3 +389,5 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
         raise bad("switch_threshold", "a number >= 0 (relative change per epoch)")
     if not (number(args["switch_window"]) and args["switch_window"] > 0):
         raise bad("switch_window", "a number of epochs > 0")
+    if args["switch_momentum"] not in ("reset", "project"):
+        raise bad("switch_momentum", "'reset' or 'project'")

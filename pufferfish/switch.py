@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -38,7 +39,7 @@ from .distributed.env import broadcast_object
 from .lowrank import FactorizationReport, LowRankModule, factorize
 from .lowrank.factorize import factorizable_modules, format_table
 
-__all__ = ["FactorizationPlan", "Switch", "SwitchPolicy"]
+__all__ = ["FactorizationPlan", "Switch", "SwitchPolicy", "projected_momentum"]
 
 
 class SwitchPolicy:
@@ -338,6 +339,31 @@ class Switch:
         self.plan.load_state_dict(state)
         inner = _unwrap(model)
         self.policy.load_state_dict(state, inner, self.plan.static_keep(inner))
+
+
+def projected_momentum(state: Mapping[torch.Tensor, Mapping[str, Any]],
+                       before: Mapping[str, torch.Tensor], model: nn.Module
+                       ) -> dict[torch.Tensor, torch.Tensor]:
+    """The momentum of each new low-rank parameter of ``model``, from the SGD momentum buffers
+    in ``state`` (an optimizer's ``state``) of the dense parameters it replaced (``before``: the
+    named parameters before the switch), by :meth:`LowRankModule.project_dense_state`.
+
+    The optional alternative to the paper's momentum reset (``switch_momentum = "project"``):
+    the factors start with the momentum they would have gathered at their current values.
+    """
+    alive = {id(p) for p in model.parameters()}
+    projected: dict[torch.Tensor, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LowRankModule):
+            continue
+        prefix = f"{name}." if name else ""
+        dense = {n[len(prefix):]: state[t]["momentum_buffer"] for n, t in before.items()
+                 if n.startswith(prefix) and id(t) not in alive and t in state
+                 and state[t].get("momentum_buffer") is not None}
+        if dense:
+            for n, buf in module.project_dense_state(dense).items():
+                projected[module.get_parameter(n)] = buf
+    return projected
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -171,3 +171,26 @@ def test_switch_momentum_allows_reset_or_project() -> None:
     with pytest.raises(ConfigError, match=r"^switch_momentum 'keep' is invalid: allowed reset, "
                                           r"project$"):
         TrainConfig(switch_momentum="keep")
+
+
+def test_recipe_projects_sgd_momentum_onto_the_factors_of_the_users_optimizer() -> None:
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    dense = optimizer.state[model[2].weight]["momentum_buffer"].clone()
+    kept = optimizer.state[model[0].weight]["momentum_buffer"].clone()
+    recipe = pf.Recipe(warmup_epochs=1, keep=["0"], switch_momentum="project")
+    model, same, _ = recipe.on_epoch_start(1, model, optimizer)
+    assert same is optimizer
+    u, v = model[2].u.weight, model[2].v.weight
+    torch.testing.assert_close(optimizer.state[u]["momentum_buffer"], dense @ v.detach().T)
+    torch.testing.assert_close(optimizer.state[v]["momentum_buffer"], u.detach().T @ dense)
+    torch.testing.assert_close(optimizer.state[model[0].weight]["momentum_buffer"], kept)
+    optimizer.step()  # SGD takes the carried buffers as they are
+    with pytest.raises(ValueError, match=r"^switch_momentum 'keep' is invalid: allowed 'reset' "
+                                         r"or 'project'$"):
+        pf.Recipe(switch_momentum="keep")
