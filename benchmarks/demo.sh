@@ -5,8 +5,9 @@
 # full-rank DDP and Pufferfish trained for real, side by side, then the table and the plot of test
 # accuracy against wall-clock time. Without link emulation it says why, trains over loopback and
 # projects the measured steps to slower links and more workers instead.
-# About 14 minutes on 2 idle CPU cores (docs/benchmarks.md). Settings: LINK, EPOCHS, OUT and
-# EXTRA (more `pufferfish bench --train` flags, e.g. "--train-subset 2000" for a quick look).
+# About 14 minutes on 2 idle CPU cores (docs/benchmarks.md). Settings: LINK (a rate, or
+# loopback), EPOCHS, OUT and EXTRA (more `pufferfish bench --train` flags, e.g.
+# "--train-subset 2000" for a quick look).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -19,7 +20,7 @@ echo "=== pufferfish factorize --model resnet18 vgg19_bn   (the paper's models: 
 $PY -m pufferfish factorize --model resnet18 vgg19_bn | grep -E "^==|^parameters|^MACs"
 
 why=$($PY -c "from pufferfish.bench.netns import netns_available; print(netns_available() or '')")
-if [ -z "$why" ]; then
+if [ "$LINK" = loopback ] || [ -z "$why" ]; then
   BW=$LINK
 else
   BW=loopback
@@ -36,7 +37,9 @@ if [ "$BW" = loopback ]; then
   echo "=== projection: the same accuracy per epoch, with step times measured here and modelled for slower links"
   $PY -m pufferfish bench "${MODEL[@]}" --methods ddp,pufferfish --bandwidth loopback --steps 6 \
     --warmup 2 --compute-steps 3 --rounds 2 --accuracy-runs "ddp=$RUNS/ddp,pufferfish=$RUNS/pufferfish" \
-    --compute-ms 30 --out "$OUT/projection" | tail -n 25
+    --compute-ms 30 --out "$OUT/projection" > "$OUT/projection.log"
+  sed -n '/^## Time to accuracy, PROJECTED/,/^!\[/p' "$OUT/projection/results.md" | grep -v '^!\['
+  echo "(all of it: $OUT/projection/results.md and its plots)"
 fi
 
 echo "=== the verdict ($BW)"
