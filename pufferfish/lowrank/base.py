@@ -117,8 +117,9 @@ class LowRankModule(nn.Module):
         ``G @ Rᵀ`` and ``Lᵀ @ G`` for the matching ``G``: what the momentum of ``W`` would be had
         it been accumulated on the factors at their current values. A vector (a bias) is carried
         over from the dense tensor of its name, or of its name less one inner component, and its
-        shape (``bias`` -> ``u.bias``, ``out_proj.bias`` -> ``out_proj.u.bias``). Parameters with no answer are left out (their state starts from zero).
-        Used when an optimizer's state is carried across the switch (``switch_momentum``).
+        shape (``bias`` -> ``u.bias``, ``out_proj.bias`` -> ``out_proj.u.bias``). Parameters
+        with no answer are left out (their state starts from zero). Used when an optimizer's
+        state is carried across the switch (``switch_momentum``).
         """
         ghost = self.to_dense()
         with torch.no_grad():
