@@ -211,6 +211,8 @@ def test_time_to_accuracy(tmp_path: Path) -> None:
     (["--accuracy-runs", "ddp"], "allowed METHOD=RUN_DIR"),
     (["--accuracy-runs", "ddp=/nonexistent/run"], "no metrics.jsonl there"),
     (["--from-results", "/nonexistent/bench"], "--from-results '/nonexistent/bench'"),
+    (["--train", "--train-config", "/nonexistent.toml"],
+     "--train-config: config file '/nonexistent.toml' does not exist"),
 ])
 def test_bad_input_exits_2_with_one_line(args: list[str], needle: str, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
@@ -308,3 +310,20 @@ def test_emulated_link_costs_communication_time(loopback: list[dict[str, Any]],
     ours = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"pf-{os.getpid()}-" not in ours  # namespaces removed
     assert math.isfinite(emu["predicted_step_time"])
+
+
+def test_train_runs_take_the_config_file_and_the_bench_flags_win(tmp_path: Path) -> None:
+    from pufferfish.bench.runner import _train_argv
+    from pufferfish.cli import FIELDS, _parser
+    from pufferfish.config import load_config
+
+    toml = tmp_path / "recipe.toml"
+    toml.write_text('width = 0.5\nkeep = ["layer1.*"]\nswitch_momentum = "project"\n')
+    cfg = BenchConfig(train=True, width=0.25, epochs=4, train_config=str(toml))
+    argv = _train_argv(cfg, "pufferfish", tmp_path / "run")
+    assert argv[3:6] == ["train", "--config", str(toml)]
+    args = _parser().parse_args(argv[3:])
+    run = load_config(args.config, {k: getattr(args, k) for k in FIELDS
+                                    if getattr(args, k, None) is not None})
+    assert (run.width, run.epochs, run.mode) == (0.25, 4, "pufferfish")  # the bench's flags
+    assert (run.keep, run.switch_momentum) == (["layer1.*"], "project")  # the file's keys

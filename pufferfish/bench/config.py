@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import ConfigError, load_config
 from ..data import DEFAULT_FASHION_DIR
 from ..distributed.hooks import with_option_fields
 from . import accuracy as acc
@@ -66,6 +67,7 @@ class BenchConfig:
     train_subset: int = 0
     test_subset: int = 0
     lr: float = 0.1
+    train_config: str = ""  # a `pufferfish train` TOML for every other option of the runs
 
     def validate(self) -> None:
         """Check every value before any process starts (``ValueError``: CLI exit 2)."""
@@ -119,6 +121,11 @@ class BenchConfig:
                 f"warmup_epochs {self.warmup_epochs} is invalid with epochs {self.epochs}: "
                 "Pufferfish methods need warmup_epochs < epochs"
             )
+        if self.train_config:
+            try:
+                load_config(self.train_config)
+            except ConfigError as e:
+                raise ValueError(f"--train-config: {e}") from None
         self._validate_accuracy()
         data = Path(self.data_dir) if self.data_dir else _default_data_dir()
         if not self.from_results and not data.is_dir():
@@ -220,6 +227,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--test-subset", type=int, default=d.test_subset,
                     help="--train: first N test examples (0: all)")
     ap.add_argument("--lr", type=float, default=d.lr, help="--train: learning rate")
+    ap.add_argument("--train-config", default=d.train_config, metavar="TOML",
+                    help="--train: a `pufferfish train` config file for the runs' other options "
+                         "(keep, switch_momentum, schedule, ...); the flags above win")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -236,7 +246,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         data_dir=args.data_dir, alpha=args.alpha_us * 1e-6, probe=args.probe,
         timeout=args.timeout, out=args.out, train=args.train, epochs=args.epochs,
         warmup_epochs=args.warmup_epochs, train_subset=args.train_subset,
-        test_subset=args.test_subset, lr=args.lr, rounds=args.rounds,
+        test_subset=args.test_subset, lr=args.lr, train_config=args.train_config,
+        rounds=args.rounds,
         accuracy_runs=args.accuracy_runs, compute_ms=args.compute_ms,
         from_results=args.from_results,
     )  # fmt: skip

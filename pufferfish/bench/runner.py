@@ -311,6 +311,8 @@ def _train_argv(cfg: BenchConfig, method: str, run_dir: Path) -> list[str]:
     ]  # fmt: skip
     if factorized:
         argv += ["--warmup-epochs", str(cfg.warmup_epochs)]
+    if cfg.train_config:  # its keys first; the flags above override them
+        argv[4:4] = ["--config", cfg.train_config]
     if cfg.data_dir:
         argv += ["--data-dir", cfg.data_dir]
     return argv
