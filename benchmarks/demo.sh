@@ -6,14 +6,15 @@
 # accuracy against wall-clock time. Without link emulation it says why, trains over loopback and
 # projects the measured steps to slower links and more workers instead.
 # About 14 minutes on 2 idle CPU cores (docs/benchmarks.md). Settings: LINK (a rate, or
-# loopback), EPOCHS, OUT and EXTRA (more `pufferfish bench --train` flags, e.g.
-# "--train-subset 2000" for a quick look).
+# loopback), EPOCHS, RECIPE (a train config for the other options), OUT, and EXTRA (more
+# `pufferfish bench --train` flags, e.g. "--train-subset 2000" for a quick look).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 OUT=${OUT:-runs/demo}
 LINK=${LINK:-200mbit}
-EPOCHS=${EPOCHS:-6}
+EPOCHS=${EPOCHS:-5}
+RECIPE=${RECIPE:-configs/demo.toml}
 MODEL=(--model resnet18 --width 0.25 --batch-size 64)
 
 echo "=== pufferfish factorize --model resnet18 vgg19_bn   (the paper's models: width 1.0, CIFAR-10 shapes)"
@@ -26,11 +27,11 @@ else
   BW=loopback
   echo "=== no emulated link here ($why): training over loopback, then projecting to slow links"
 fi
-echo "=== pufferfish bench --train ${MODEL[*]} --methods ddp,pufferfish --bandwidth $BW --epochs $EPOCHS --warmup-epochs 1"
+echo "=== pufferfish bench --train ${MODEL[*]} --methods ddp,pufferfish --bandwidth $BW --epochs $EPOCHS --warmup-epochs 1 --train-config $RECIPE"
 echo "    (all 60,000 training and 10,000 test images unless EXTRA says otherwise; 2 processes, one core each; each method"
 echo "    trained over the same link; time = summed epoch times, evaluation excluded)"
 $PY -m pufferfish bench --train "${MODEL[@]}" --methods ddp,pufferfish --bandwidth "$BW" \
-  --epochs "$EPOCHS" --warmup-epochs 1 --out "$OUT" ${EXTRA:-}
+  --epochs "$EPOCHS" --warmup-epochs 1 --train-config "$RECIPE" --out "$OUT" ${EXTRA:-}
 
 RUNS="$OUT/train/$BW"
 if [ "$BW" = loopback ]; then
