@@ -29,7 +29,7 @@ from pufferfish.models import build_at_width
 from pufferfish.training.metrics import read_metrics
 from pufferfish.training.report import compare_runs
 
-RUN_NAME = re.compile(r"^(?P<method>full|puff|lowrank|auto|psgd)-s(?P<seed>\d+)$")
+RUN_NAME = re.compile(r"^(?P<method>full|puffproj|puff|lowrank|auto|psgd)-s(?P<seed>\d+)$")
 WHAT_DIFFERS = (
     "The paper trains ResNet-18 and VGG-19-BN at full width on CIFAR-10 (300 epochs), ResNet-50 on "
     "ImageNet and an LSTM on WikiText-2, on clusters of GPU machines. Here: Fashion-MNIST (the "
@@ -110,17 +110,23 @@ def parity(found: dict[str, dict[str, dict[int, Path]]], out: Path) -> Section:
             full, puff = methods["full"][s], methods["puff"][s]
             gaps.append(final(puff) - final(full))
             p_full, p_low = (read_metrics(r)[-1]["params"] for r in (full, puff))
+            proj = methods.get("puffproj", {}).get(s)
             rows.append([exp, str(s), f"{final(full):.2f}%", f"{final(puff):.2f}%",
-                         f"{gaps[-1]:+.2f}", f"{p_full / p_low:.2f}x"])
-            section.sources += [str(full), str(puff)]
+                         f"{gaps[-1]:+.2f}", "-" if proj is None else
+                         f"{final(proj):.2f}% ({final(proj) - final(full):+.2f})",
+                         f"{p_full / p_low:.2f}x"])
+            section.sources += [str(full), str(puff), *([str(proj)] if proj else [])]
         if len(seeds) > 1:
-            rows.append([exp, "mean", "", "", f"{statistics.mean(gaps):+.2f}", ""])
+            rows.append([exp, "mean", "", "", f"{statistics.mean(gaps):+.2f}", "", ""])
         plot_dir = out / exp
         compare_runs([str(methods[m][seeds[0]]) for m in ("full", "puff", "lowrank", "auto")
                       if seeds[0] in methods.get(m, {})], str(plot_dir))
         section.ours.append(f"![{exp}]({exp}/accuracy.png)")
     section.ours = [*markdown_table(["experiment", "seed", "full rank", "Pufferfish", "points",
-                                     "fewer params"], rows), "", *section.ours]
+                                     "momentum projected (points)", "fewer params"], rows),
+                    "", "Pufferfish = the paper's recipe (momentum reset at the switch); the "
+                    "projected column is `--switch-momentum project` (docs/benchmarks.md).", "",
+                    *section.ours]
     if not rows:
         section.missing.append("benchmarks/accuracy.sh ...  # full and puff runs, see docs")
     return section
