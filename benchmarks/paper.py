@@ -25,6 +25,7 @@ import torch
 
 from pufferfish import count_macs, factorize
 from pufferfish.formatting import markdown_table
+from pufferfish.lowrank.factorize import count_params
 from pufferfish.models import build_at_width
 from pufferfish.training.metrics import read_metrics
 from pufferfish.training.report import compare_runs
@@ -65,9 +66,9 @@ def counts() -> Section:
     for name, (p_full, p_low, m_full, m_low) in paper.items():
         model = build_at_width(name, 1.0)
         x = torch.randn(1, 3, 32, 32)
-        full_params, full_macs = sum(p.numel() for p in model.parameters()), count_macs(model, x)
+        full_params, full_macs = count_params(model), count_macs(model, x)
         factorize(model, rank_ratio=0.25, preset="paper")
-        low_params, low_macs = sum(p.numel() for p in model.parameters()), count_macs(model, x)
+        low_params, low_macs = count_params(model), count_macs(model, x)
         rows.append([name, f"{p_full} → {p_low}", f"{full_params:,} → {low_params:,}",
                      f"{full_params / low_params:.2f}x", f"{m_full} → {m_low}",
                      f"{full_macs / 1e9:.2f}G → {low_macs / 1e9:.2f}G"])
