@@ -101,6 +101,7 @@ class TrainConfig:
     checkpoint_every_steps: int = 0  # 0: only at epoch ends
     keep_checkpoints: int = 3
     threads: int = 0  # torch intra-op threads per process (0: torch's default)
+    channels_last: bool = True  # conv weights in NHWC memory order: faster conv kernels (CPU, GPU)
     progress: bool = True  # tqdm progress bar on rank 0
 
     def __post_init__(self) -> None:

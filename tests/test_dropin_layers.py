@@ -188,6 +188,26 @@ def test_dtype_device_mode_and_requires_grad_are_kept(dtype: torch.dtype) -> Non
     assert model[2].bias.requires_grad and not model[3].training
 
 
+def test_channels_last_is_kept_both_ways() -> None:
+    """A channels-last conv gives channels-last factors (and back): training converts the model
+    once, and the switch must not hand it NCHW layers that run the slower kernels."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 3))
+    plain = copy.deepcopy(model)
+    model.to(memory_format=torch.channels_last)
+    x = torch.randn(2, 8, 12, 12)
+    pf.factorize(model, rank=4)
+    pf.factorize(plain, rank=4)
+    factors = [p for p in model.parameters() if p.dim() == 4 and p.size(-1) > 1]  # not 1x1
+    assert factors and all(p.is_contiguous(memory_format=torch.channels_last)
+                           and not p.is_contiguous() for p in factors)
+    assert all(p.is_contiguous() for p in plain.parameters())
+    torch.testing.assert_close(model(x), plain(x), rtol=1e-4, atol=1e-5)
+    pf.merge(model)
+    assert not model[2].weight.is_contiguous()
+    assert model[2].weight.is_contiguous(memory_format=torch.channels_last)
+
+
 def test_forward_hooks_are_carried_over_and_still_removable() -> None:
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     seen: list[str] = []

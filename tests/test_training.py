@@ -86,6 +86,12 @@ def test_two_process_run_through_the_switch(tmp_path: Path) -> None:
     assert (out / "factorization.txt").exists() and (out / "metrics.csv").exists()
     assert "switching to the low-rank model at epoch 1" in result.stdout
     assert result.stdout.count("epoch 1/2 |") == 1  # only rank 0 prints
+    # Trained channels-last (the default), the factors made at the switch too (saved strides).
+    state, _ = latest_checkpoint(out)
+    convs = [t for t in state["model"].values() if t.dim() == 4 and t.size(1) > 1
+             and t.size(-1) > 1]  # a 1x1 or single-channel kernel is both layouts
+    assert convs and not any(t.is_contiguous() for t in convs)
+    assert all(t.is_contiguous(memory_format=torch.channels_last) for t in convs)
 
 
 @needs_fashion

@@ -54,6 +54,7 @@ class BenchConfig:
     rounds: int = 3
     alpha: float = proj.DEFAULT_ALPHA
     probe: bool = True
+    channels_last: bool = True  # conv weights NHWC, as `pufferfish train` has them by default
     timeout: float = 0.0  # 0: STEP_TIMEOUT per step group, no limit per training run
     out: str = "runs/bench"
     # time to accuracy from existing runs' accuracy and the measured (or reused) step times
@@ -196,6 +197,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--data-dir", default=d.data_dir, help="Fashion-MNIST directory")
     ap.add_argument("--alpha-us", type=float, default=d.alpha * 1e6,
                     help="per-message latency of the projection model, microseconds")
+    ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction,
+                    default=d.channels_last,
+                    help="conv weights in NHWC memory order (the training default; "
+                         "--no-channels-last: NCHW)")
     ap.add_argument("--no-probe", dest="probe", action="store_false",
                     help="skip the all-reduce probe that measures each link's real rate")
     ap.add_argument("--timeout", type=float, default=d.timeout,
@@ -244,6 +249,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         **{option.key: getattr(args, option.key) for option in HOOK_OPTIONS},
         threads=args.threads,
         data_dir=args.data_dir, alpha=args.alpha_us * 1e-6, probe=args.probe,
+        channels_last=args.channels_last,
         timeout=args.timeout, out=args.out, train=args.train, epochs=args.epochs,
         warmup_epochs=args.warmup_epochs, train_subset=args.train_subset,
         test_subset=args.test_subset, lr=args.lr, train_config=args.train_config,
@@ -260,7 +266,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 # Settings that describe a measurement, taken from the results when reused.
 _MEASURED = ("model", "width", "methods", "bandwidths", "workers", "steps", "warmup",
              "compute_steps", "batch_size", *(option.key for option in HOOK_OPTIONS), "threads",
-             "rounds")
+             "rounds", "channels_last")
 
 
 def results_path(path: str) -> Path:
@@ -285,5 +291,5 @@ def load_results(path: str) -> dict[str, Any]:
 
 
 def _measured_config(path: str) -> dict[str, Any]:
-    saved = load_results(path)["config"]
+    saved = {"channels_last": False, **load_results(path)["config"]}  # older: NCHW
     return {k: saved[k] for k in _MEASURED if k in saved}

@@ -158,12 +158,17 @@ def _hook_flags(cfg: BenchConfig) -> list[str]:
             for arg in ("--" + option.key.replace("_", "-"), str(getattr(cfg, option.key)))]
 
 
+def _channels_flag(cfg: BenchConfig) -> str:
+    """The memory-format flag, the same for step timing and training runs."""
+    return "--channels-last" if cfg.channels_last else "--no-channels-last"
+
+
 def _step_argv(cfg: BenchConfig, methods: list[str], out: Path, cache: Path) -> list[str]:
     argv = [
         sys.executable, "-m", "pufferfish.bench.step", "--methods", ",".join(methods),
         "--model", cfg.model, "--width", str(cfg.width), "--batch-size", str(cfg.batch_size),
         "--steps", str(cfg.steps), "--warmup", str(cfg.warmup),
-        "--compute-steps", str(cfg.compute_steps), *_hook_flags(cfg),
+        "--compute-steps", str(cfg.compute_steps), *_hook_flags(cfg), _channels_flag(cfg),
         "--threads", str(cfg.worker_threads()), "--cache-dir", str(cache), "--out", str(out),
     ]  # fmt: skip
     if cfg.data_dir:
@@ -305,7 +310,7 @@ def _train_argv(cfg: BenchConfig, method: str, run_dir: Path) -> list[str]:
         "--mode", "pufferfish" if factorized else "full", "--comm", hook,
         "--epochs", str(cfg.epochs), "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr),
         "--train-subset", str(cfg.train_subset), "--test-subset", str(cfg.test_subset),
-        *_hook_flags(cfg),
+        *_hook_flags(cfg), _channels_flag(cfg),
         "--threads", str(cfg.worker_threads()), "--checkpoint-every-epochs", str(cfg.epochs),
         "--no-progress", "--out", str(run_dir), "--overwrite",  # a previous bench's run
     ]  # fmt: skip

@@ -140,6 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--cache-dir", default=None, help="decoded-tensor cache shared by workers")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
     return ap
 
@@ -172,6 +173,8 @@ def _build(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, int]:
     full = count_params(model)
     if factorized:
         factorize(model, rank_ratio=PUFFERFISH_RANK_RATIO, preset="paper")
+    if args.channels_last:  # as training stores them (TrainConfig.channels_last)
+        model.to(memory_format=torch.channels_last)
     return model, full
 
 

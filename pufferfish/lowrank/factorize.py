@@ -31,8 +31,9 @@ warns, naming the low-rank modules already there). A module reachable under seve
 shared module) is replaced under every name by one low-rank module, so it stays shared.
 
 The replacement takes over what the dense module carried: train/eval mode, ``requires_grad`` (a
-frozen weight gives frozen factors), dtype and device, and its forward/backward hooks (the hook
-dictionaries themselves, so the user's handles still remove them). ``factorize`` is all-or-nothing:
+frozen weight gives frozen factors), dtype, device, memory format (channels-last), and its
+forward/backward hooks (the hook dictionaries themselves, so the user's handles still remove
+them). ``factorize`` is all-or-nothing:
 every replacement is built before the first is swapped in, and any error (including one in the
 after-MACs forward pass) puts every original module back before it is raised. A model whose root
 is itself a supported layer is an error (there is no parent to swap it in); a model where nothing
@@ -375,13 +376,16 @@ def call_with_example(model: nn.Module, example_input: Any) -> Any:
 def carry_over(old: nn.Module, new: nn.Module) -> None:
     """Give ``new``, which replaces ``old``, what ``old`` carried besides its weights.
 
-    Train/eval mode; ``requires_grad``: the matrices (factors) of ``new`` are trainable iff one
+    Train/eval mode; the memory format (channels-last 4-D weights give channels-last factors);
+    ``requires_grad``: the matrices (factors) of ``new`` are trainable iff one
     of ``old``'s ≥2-D parameters is, its vectors (biases, BN) iff one of ``old``'s vectors is (its
     matrices' flag when it has none); forward and backward hooks: the hook dictionaries are taken
     over, so a handle from ``old.register_forward_hook`` still removes the hook. State-dict hooks
     are not (they depend on parameter names): a warning names the module type.
     """
     new.train(old.training)
+    if _channels_last(old):
+        new.to(memory_format=torch.channels_last)
     matrices = [p.requires_grad for p in old.parameters() if p.dim() >= 2]
     vectors = [p.requires_grad for p in old.parameters() if p.dim() < 2]
     train_matrices = any(matrices) if matrices else True
@@ -393,6 +397,13 @@ def carry_over(old: nn.Module, new: nn.Module) -> None:
     if any(getattr(old, attr) for attr in _STATE_DICT_HOOKS):
         warnings.warn(f"the state_dict hooks of {type(old).__name__} are not carried over to its "
                       f"{type(new).__name__} replacement", stacklevel=3)
+
+
+def _channels_last(module: nn.Module) -> bool:
+    """Whether a 4-D parameter of ``module`` is stored channels-last (and not also contiguous:
+    a weight with one input channel or a 1x1 kernel is both, and says nothing)."""
+    return any(p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last)
+               and not p.is_contiguous() for p in module.parameters())
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
