@@ -317,6 +317,10 @@ def test_frobenius_decay_params_are_the_factors() -> None:
     want = {id(model[1].u.weight), id(model[1].v.weight), id(model[2].u.weight),
             id(model[2].v.weight)}
     assert got == want
+    # Channels-last (training's default): the conv factors flattened to matrices are copies.
+    model.to(memory_format=torch.channels_last)
+    assert not model[2].v.weight.is_contiguous()  # the 3x3 factor (a 1x1 is both layouts)
+    assert {id(p) for p in frobenius_decay_params(model)} == want
 
 
 def test_frobenius_decay_on_factorized_lstm_and_attention() -> None:

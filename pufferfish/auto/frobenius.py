@@ -70,7 +70,8 @@ def frobenius_decay_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _owner(t: torch.Tensor, params: list[nn.Parameter]) -> nn.Parameter | None:
-    """The parameter ``t`` is (a view of): the parameter itself, or whose memory holds ``t``'s start."""
+    """The parameter ``t`` is, is a view of, or (``t`` a reshaped copy: a channels-last conv
+    weight flattened to a matrix) was computed from alone, as autograd sees it."""
     for p in params:
         if t is p:
             return p
@@ -79,4 +80,10 @@ def _owner(t: torch.Tensor, params: list[nn.Parameter]) -> nn.Parameter | None:
         same = p.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
         if same and p.data_ptr() <= start < p.data_ptr() + p.numel() * p.element_size():
             return p
-    return None
+    trainable = [p for p in params if p.requires_grad]
+    if t.grad_fn is None or not trainable:
+        return None
+    with torch.enable_grad():
+        grads = torch.autograd.grad(t.sum(), trainable, allow_unused=True, retain_graph=True)
+    sources = [p for p, g in zip(trainable, grads) if g is not None]
+    return sources[0] if len(sources) == 1 else None
