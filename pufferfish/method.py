@@ -88,7 +88,11 @@ class PufferfishMethod(FullRankMethod):
     def on_step_end(self, epoch: int, step: int, steps: int, model: nn.Module) -> None:
         # Between epoch ends, feed the switch detector every N steps so that its window (in
         # epochs) is covered by several observations even in short runs.
-        if self.switch.policy.warmup_epochs != "auto" or self.switch.switched or step >= steps:
+        if self.switch.policy.warmup_epochs != "auto" or self.switch.switched:
+            return
+        if epoch == 0 and step == 1:  # the cap may depend on the steps per epoch
+            self.switch.policy.cap(self.cfg.auto_switch_cap(steps))
+        if step >= steps:
             return
         every = self.cfg.stable_rank_every_steps or max(1, steps // 4)
         if step % every == 0:

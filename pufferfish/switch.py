@@ -119,8 +119,19 @@ class SwitchPolicy:
                f"epoch(s) at epoch {d.switched_at:.2f}")
         return [f"switch epoch (auto): {self.switched_at} ({why})"]
 
+    def cap(self, latest: float) -> None:
+        """Set the latest automatic switch epoch once the run knows it (it may depend on the
+        steps per epoch); kept in :meth:`state_dict`, so a resumed run keeps the same cap."""
+        if self.detector is not None:
+            if latest < self.detector.min_epochs:
+                raise ValueError(f"latest switch epoch {latest} is below the earliest "
+                                 f"{self.detector.min_epochs}")
+            self.detector.max_epochs = latest
+
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"switched_at": self.switched_at}
+        if self.detector is not None:
+            state["max_epochs"] = self.detector.max_epochs
         if self.tracker is not None:
             state["initial"] = dict(self.tracker.initial)
             state["history"] = {k: [list(p) for p in v] for k, v in self.tracker.history.items()}
@@ -130,8 +141,13 @@ class SwitchPolicy:
         """Restore :meth:`state_dict`; before the switch, replay the detector over the record so
         that it decides as it would have without the interruption."""
         self.switched_at = state.get("switched_at")
+        if self.detector is not None and state.get("max_epochs") is not None:
+            self.detector.max_epochs = state["max_epochs"]
         if "initial" not in state or self.switched:
             return
+        d = self.detector  # forget what this process observed before the load (its step 0)
+        self.detector = SwitchDetector(window=d.window, threshold=d.threshold,
+                                       min_epochs=d.min_epochs, max_epochs=d.max_epochs)
         self.tracker = StableRankTracker(model, keep=keep)
         self.tracker.initial = dict(state["initial"])
         self.tracker.history = {k: [tuple(p) for p in v] for k, v in state["history"].items()}

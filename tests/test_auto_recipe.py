@@ -11,6 +11,7 @@ from test_training import TINY, metrics, needs_fashion, run_cli, tiny_lm_args
 from torch import nn
 
 import pufferfish as pf
+from pufferfish.config import TrainConfig
 from pufferfish.lowrank import LowRankLinear
 
 
@@ -101,3 +102,39 @@ def test_two_process_automatic_lm_run_agrees_on_every_decision(tmp_path: Path) -
     assert f"-> {kernel}" in (out / "factorization.txt").read_text()
     rows = metrics(out)
     assert rows[-1]["lowrank"] and rows[-1]["switch_epoch"] in (1, 2)
+
+
+@pytest.mark.parametrize(("epochs", "steps", "cap"), [
+    (8, 39, 4),  # the short-run grid: 150 steps is epoch 4, half the run
+    (6, 469, 1), (20, 469, 2), (10, 469, 1),  # all of Fashion-MNIST at batch 2x64: a tenth
+    (5, 114, 2),  # the LSTM grid
+    (90, 5000, 9), (3, 8, 1)])
+def test_default_auto_switch_cap(epochs: int, steps: int, cap: int) -> None:
+    cfg = TrainConfig(epochs=epochs, warmup_epochs="auto")
+    assert cfg.auto_switch_cap(steps) == cap
+    assert cfg.auto_switch_cap(steps) <= cfg.latest_auto_switch
+    fixed = TrainConfig(epochs=epochs, warmup_epochs="auto", max_warmup_epochs=1)
+    assert fixed.auto_switch_cap(steps) == 1
+
+
+def test_run_switches_at_the_default_cap_and_keeps_it_on_resume(tmp_path: Path) -> None:
+    """60 steps per epoch, 8 epochs, ranks that never count as settled (threshold 0): the cap is
+    epoch 3 (150 steps), not half the run (4); a run resumed before it keeps that cap."""
+    args = tiny_lm_args(tmp_path, "--epochs", "8", "--warmup-epochs", "auto",
+                        "--switch-threshold", "0")
+    out = tmp_path / "run"
+    result = run_cli("train", *args, "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    switch = json.loads((out / "factorization.json").read_text())["decisions"]["switch"]
+    assert switch["max_epochs"] == 3 and switch["reason"] == "cap"
+    assert [r["switch_epoch"] for r in metrics(out)][2:4] == [None, 3]
+    # Killed in epoch 2 (after its checkpoint at the end of epoch 1), resumed: the cap comes
+    # from the checkpoint (the run's first steps, where it is set, are not run again).
+    part = tmp_path / "part"
+    killed = run_cli("train", *args, "--out", str(part), env={
+        "PUFFERFISH_KILL_AT_STEP": "130", "PUFFERFISH_KILL_MARKER": str(tmp_path / "killed")})
+    assert killed.returncode == -9
+    resumed = run_cli("train", "--resume", str(part), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    assert [r["switch_epoch"] for r in metrics(part)][2:4] == [None, 3]
