@@ -217,8 +217,9 @@ def pruning(cache: Path) -> Section:
                       "as accurate as Lottery-Ticket models of the same size, without winning "
                       "the lottery; more accurate and smaller than structured pruning.")
     for table in sorted(cache.glob("*/compare/compare.md")):
-        section.ours += [f"### {table.parent.parent.name}", "",
-                         table.read_text().split("\n\n![")[0], ""]
+        # compare.md opens with its own "# title": kept as a sentence under this section's heading
+        body = table.read_text().split("\n\n![")[0].removeprefix("# ")
+        section.ours += [f"### {table.parent.parent.name}", "", body, ""]
         section.sources.append(str(table))
     if not section.sources:
         section.missing.append("pufferfish compare --config configs/resnet18_fashion.toml "
