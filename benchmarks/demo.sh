@@ -5,7 +5,7 @@
 # full-rank DDP and Pufferfish trained for real, side by side, then the table and the plot of test
 # accuracy against wall-clock time. Without link emulation it says why, trains over loopback and
 # projects the measured steps to slower links and more workers instead.
-# About 22 minutes on 2 idle CPU cores, 24.5 with installation (docs/benchmarks.md). Settings: LINK (a rate, or
+# About 14-16 minutes on 2 idle CPU cores with installation (docs/benchmarks.md). Settings: LINK (a rate, or
 # loopback), EPOCHS, RECIPE (a train config for the other options), OUT, and EXTRA (more
 # `pufferfish bench --train` flags, e.g. "--train-subset 2000" for a quick look).
 set -euo pipefail
