@@ -100,7 +100,7 @@ class TrainConfig:
     out: str = ""  # run directory (empty: runs/<model>-<mode>)
     resume: str = ""  # run directory to continue, or "auto": continue --out if it has a checkpoint
     overwrite: bool = False  # a new run may replace the earlier run in --out (its files only)
-    checkpoint_every_epochs: int = 1
+    checkpoint_every_epochs: int = 1  # 0: only after the last epoch
     checkpoint_every_steps: int = 0  # 0: only at epoch ends
     keep_checkpoints: int = 3
     threads: int = 0  # torch intra-op threads per process (0: torch's default)

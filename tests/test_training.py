@@ -105,6 +105,18 @@ def test_full_and_lowrank_modes(tmp_path: Path, mode: str) -> None:
     assert row.get("switch_epoch") == (0 if mode == "lowrank" else None)
 
 
+@needs_fashion
+def test_checkpoint_every_epochs_zero_keeps_only_the_final_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run_cli("train", *TINY, "--epochs", "2", "--mode", "full", "--out", str(out),
+                     "--checkpoint-every-epochs", "0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [row["epoch"] for row in metrics(out)] == [1, 2]
+    state, path = latest_checkpoint(out)
+    assert state["progress"]["epoch"] == 2, path
+    assert len(list(path.parent.glob("*.pt"))) == 1  # nothing after epoch 1
+
+
 def _switch_worker(rank: int, world: int, port: int, queue: mp.Queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -170,7 +170,8 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
             writer.write(row)
         dist_env.say(env, _summary(row, total))
         run.progress.epoch, run.progress.step_in_epoch = epoch + 1, 0
-        if (epoch + 1) % cfg.checkpoint_every_epochs == 0 or epoch + 1 == total:
+        every = cfg.checkpoint_every_epochs  # 0: only the last epoch's
+        if epoch + 1 == total or (every and (epoch + 1) % every == 0):
             _checkpoint(cfg, env, run, method, task, run_dir)
     if env.is_main:
         dist_env.say(env, writer.final_table())
