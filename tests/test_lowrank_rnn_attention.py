@@ -111,6 +111,29 @@ def test_lstm_fused_and_loop_kernels_agree_at_low_rank(batch_first: bool) -> Non
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_lstm_fused_kernel_gets_one_dtype_under_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+    # cuDNN refuses a weight list that mixes dtypes ("Weight scalar types do not match"): seen on
+    # an H200 under --amp when autocast ran the merge u @ v in fp16 beside fp32 biases. The
+    # kernel must get what nn.LSTM gives it: every weight and bias in the parameters' dtype.
+    import pufferfish.lowrank.lstm as lstm_module
+    seen: list[set[torch.dtype]] = []
+    real = lstm_module._VF
+
+    class Spy:
+        def lstm(self, input, hx, weights, *args):  # _VF.lstm's signature
+            seen.append({w.dtype for w in weights})
+            return real.lstm(input, hx, weights, *args)
+
+    monkeypatch.setattr(lstm_module, "_VF", Spy())
+    dense = nn.LSTM(8, 16, num_layers=2)
+    low = LowRankLSTM.from_dense(dense, 4, fused=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = low(torch.randn(5, 3, 8))
+    out.float().sum().backward()
+    assert seen == [{torch.float32}]
+    assert all(p.grad is not None for p in low.parameters())
+
+
 def test_lstm_dropout_only_between_layers_in_training() -> None:
     dense = nn.LSTM(3, 4, num_layers=2, dropout=0.5)
     low = LowRankLSTM.from_dense(dense, 4)

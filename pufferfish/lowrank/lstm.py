@@ -167,11 +167,13 @@ class LowRankLSTM(LowRankModule):
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # The kernel nn.LSTM.forward calls, with nn.LSTM's weight order (w_ih, w_hh, b_ih, b_hh
         # per layer); input is (seq, batch, features) here. Gradients reach the factors through
-        # the merge.
+        # the merge. The merge runs outside autocast, so the kernel gets weights and biases of one
+        # dtype, as from nn.LSTM (cuDNN refuses fp16 merged weights beside fp32 biases).
         weights: list[torch.Tensor] = []
         for k in range(self.num_layers):
-            for kind in ("ih", "hh"):
-                weights.append(getattr(self, f"u_{kind}_l{k}") @ getattr(self, f"v_{kind}_l{k}"))
+            with torch.autocast(input.device.type, enabled=False):
+                for kind in ("ih", "hh"):
+                    weights.append(getattr(self, f"u_{kind}_l{k}") @ getattr(self, f"v_{kind}_l{k}"))
             if self.bias:
                 weights += [getattr(self, f"bias_ih_l{k}"), getattr(self, f"bias_hh_l{k}")]
         output, h_n, c_n = _VF.lstm(input, hx, weights, self.bias, self.num_layers,
