@@ -99,7 +99,26 @@ def experiments(cache: Path) -> dict[str, dict[str, dict[int, Path]]]:
 
 
 def final(run: Path) -> float:
-    return 100 * read_metrics(run)[-1]["test_acc"]
+    """The run's last test accuracy in %, or its last test perplexity (language models)."""
+    row = read_metrics(run)[-1]
+    return row["test_ppl"] if "test_ppl" in row else 100 * row["test_acc"]
+
+
+def is_lm(run: Path) -> bool:
+    return "test_ppl" in read_metrics(run)[-1]
+
+
+def gap(run: Path, ref: Path) -> float:
+    """Points of accuracy against ``ref``, or % of perplexity (positive: worse) for an LM."""
+    return 100 * (final(run) / final(ref) - 1) if is_lm(run) else final(run) - final(ref)
+
+
+def shown(run: Path) -> str:
+    return f"{final(run):.1f} ppl" if is_lm(run) else f"{final(run):.2f}%"
+
+
+def shown_gap(value: float, lm: bool) -> str:
+    return f"{value:+.1f}%" if lm else f"{value:+.2f}"
 
 
 def parity(found: dict[str, dict[str, dict[int, Path]]], out: Path) -> Section:
@@ -113,27 +132,28 @@ def parity(found: dict[str, dict[str, dict[int, Path]]], out: Path) -> Section:
         variants = [v for v in VARIANTS if any(s in methods.get(v, {}) for s in seeds)]
         rows: list[list[str]] = []
         gaps = []
+        lm = is_lm(methods["full"][seeds[0]])
         for s in seeds:
             full, puff = methods["full"][s], methods["puff"][s]
-            gaps.append(final(puff) - final(full))
+            gaps.append(gap(puff, full))
             p_full, p_low = (read_metrics(r)[-1]["params"] for r in (full, puff))
             cells = []
             for v in variants:
                 run = methods[v].get(s)
                 cells.append("-" if run is None else
-                             f"{final(run):.2f}% ({final(run) - final(full):+.2f})")
+                             f"{shown(run)} ({shown_gap(gap(run, full), lm)})")
                 section.sources += [str(run)] if run else []
-            rows.append([str(s), f"{final(full):.2f}%", f"{final(puff):.2f}%",
-                         f"{gaps[-1]:+.2f}", f"{p_full / p_low:.2f}x", *cells])
+            rows.append([str(s), shown(full), shown(puff), shown_gap(gaps[-1], lm),
+                         f"{p_full / p_low:.2f}x", *cells])
             section.sources += [str(full), str(puff)]
         if len(seeds) > 1:
-            rows.append(["mean", "", "", f"{statistics.mean(gaps):+.2f}", "",
+            rows.append(["mean", "", "", shown_gap(statistics.mean(gaps), lm), "",
                          *[_mean_gap(methods, v, seeds) for v in variants]])
         plot_dir = out / exp
         compare_runs([str(methods[m][seeds[0]]) for m in ("full", "puff", "lowrank", "auto")
                       if seeds[0] in methods.get(m, {})], str(plot_dir))
         section.ours += [f"### {exp}", "", *markdown_table(
-            ["seed", "full rank", "Pufferfish", "points", "fewer params",
+            ["seed", "full rank", "Pufferfish", "gap (points; LM: perplexity)", "fewer params",
              *[f"{VARIANTS[v]} (points)" for v in variants]], rows),
             "", f"![{exp}]({exp}/accuracy.png)", ""]
     section.ours = ["Pufferfish = the paper's recipe (momentum reset at the switch). Variants "
@@ -150,7 +170,8 @@ def _mean_gap(methods: dict[str, dict[int, Path]], variant: str, seeds: list[int
     have = [s for s in seeds if s in methods.get(variant, {})]
     if len(have) < 2:
         return "-"
-    return f"{statistics.mean(final(methods[variant][s]) - final(methods['full'][s]) for s in have):+.2f}"
+    lm = is_lm(methods["full"][have[0]])
+    return shown_gap(statistics.mean(gap(methods[variant][s], methods["full"][s]) for s in have), lm)
 
 
 def warmup(found: dict[str, dict[str, dict[int, Path]]]) -> Section:
@@ -160,8 +181,8 @@ def warmup(found: dict[str, dict[str, dict[int, Path]]]) -> Section:
     for exp, methods in found.items():
         for s in sorted(set(methods.get("puff", {})) & set(methods.get("lowrank", {}))):
             puff, low = methods["puff"][s], methods["lowrank"][s]
-            rows.append([exp, str(s), f"{final(puff):.2f}%", f"{final(low):.2f}%",
-                         f"{final(puff) - final(low):+.2f}"])
+            rows.append([exp, str(s), shown(puff), shown(low),
+                         shown_gap(-gap(puff, low) if is_lm(puff) else gap(puff, low), is_lm(puff))])
             section.sources += [str(puff), str(low)]
     section.ours = markdown_table(["experiment", "seed", "with warm-up", "from the start",
                                    "warm-up worth"], rows)
