@@ -242,6 +242,39 @@ def test_accuracy_run_of_another_batch_is_refused(tmp_path: Path,
     assert not (tmp_path / "out").exists()
 
 
+def test_runs_of_one_process_at_the_same_global_batch_are_timed_as_the_bench_steps(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # One GPU at batch 128 makes the same steps per epoch as the bench's 2 workers x 64: with
+    # --accuracy-processes 1 its curve is timed exactly like the 2 x 64 run's.
+    saved = _bench_results(tmp_path / "saved.json")
+    one = {m: _train_run(tmp_path / f"one-{m}", rows, batch_size=128, **extra)
+           for m, rows, extra in (("ddp", DDP_ROWS, {}),
+                                  ("pufferfish", PUFF_ROWS, {"mode": "pufferfish",
+                                                             "warmup_epochs": "1"}))}
+    two = {m: _train_run(tmp_path / f"two-{m}", rows, **extra)
+           for m, rows, extra in (("ddp", DDP_ROWS, {}),
+                                  ("pufferfish", PUFF_ROWS, {"mode": "pufferfish",
+                                                             "warmup_epochs": "1"}))}
+    tables = []
+    for runs, flags in ((one, ["--accuracy-processes", "1"]), (two, [])):
+        out = tmp_path / f"out{len(tables)}"
+        rc = main(["bench", "--from-results", str(saved), "--accuracy-runs",
+                   ",".join(f"{m}={d}" for m, d in runs.items()), *flags, "--out", str(out)])
+        assert rc == 0, capsys.readouterr().err
+        tables.append(json.loads((out / "results.json").read_text())["time_to_accuracy"]
+                      ["measured"]["table"])
+    assert tables[0] == tables[1]
+    # ...and a global batch that differs is refused in one line naming both.
+    rc = main(["bench", "--from-results", str(saved), "--accuracy-runs", f"ddp={one['ddp']}",
+               "--accuracy-processes", "4", "--out", str(tmp_path / "bad")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "128 x 4 processes" in err and "64 x 2 workers" in err
+    rc = main(["bench", "--from-results", str(saved), "--accuracy-runs", f"ddp={one['ddp']}",
+               "--accuracy-processes", "-1", "--out", str(tmp_path / "bad")])
+    assert rc == 2 and "accuracy_processes -1 is invalid" in capsys.readouterr().err
+
+
 def test_full_rank_method_with_low_rank_epochs_is_refused(tmp_path: Path) -> None:
     run = _train_run(tmp_path / "x", PUFF_ROWS)  # a "full" config but low-rank rows
     with pytest.raises(ValueError, match="low-rank epochs but ddp is full-rank"):

@@ -106,14 +106,17 @@ def parse_accuracy_runs(spec: str) -> dict[str, Path]:
 
 
 def load_accuracy_runs(
-    spec: str, *, model: str, width: float, batch_size: int, powersgd_rank: int
+    spec: str, *, model: str, width: float, batch_size: int, powersgd_rank: int,
+    workers: int = 2, processes: int = 0,
 ) -> dict[str, AccuracyRun]:
     """Read and check the runs of ``--accuracy-runs`` against what the bench measures.
 
     Each must be a Fashion-MNIST run of ``model`` at ``width`` and ``batch_size`` per
     process, trained the way its method says (mode, comm hook, PowerSGD rank, Pufferfish's
     paper preset at rank ratio 1/4): otherwise its accuracy does not belong to the measured
-    steps. ``ValueError`` with one line naming the run and the mismatch.
+    steps. ``ValueError`` with one line naming the run and the mismatch. Runs trained on
+    ``processes`` processes other than the bench's ``workers`` (say one GPU at batch 128 for
+    2 x 64) must match the global batch instead: the same steps per epoch, so the same curve.
     """
 
     runs: dict[str, AccuracyRun] = {}
@@ -133,6 +136,12 @@ def load_accuracy_runs(
         expect = {"data": "fashion-mnist", "model": model, "width": width,
                   "batch_size": batch_size, "mode": "pufferfish" if factorized else "full",
                   "comm": hook}
+        if processes and processes != workers:
+            if cfg.batch_size * processes != batch_size * workers:
+                raise ValueError(f"{where}: its global batch {cfg.batch_size} x {processes} "
+                                 f"processes differs from the bench's {batch_size} x {workers} "
+                                 "workers: allowed the same number of examples per step")
+            del expect["batch_size"]
         if hook == "powersgd":
             expect["powersgd_rank"] = powersgd_rank
         if factorized:
@@ -144,7 +153,8 @@ def load_accuracy_runs(
                                  f"measures {key} {want!r}")
         if not factorized and any(r.get("lowrank") for r in rows):
             raise ValueError(f"{where}: the run has low-rank epochs but {method} is full-rank")
-        runs[method] = AccuracyRun(method, str(path), rows, cfg.epochs, cfg.batch_size,
+        runs[method] = AccuracyRun(method, str(path), rows, cfg.epochs,
+                                   batch_size if "batch_size" not in expect else cfg.batch_size,
                                    cfg.train_subset or FASHION_MNIST_TRAIN)
     return runs
 

@@ -59,6 +59,7 @@ class BenchConfig:
     out: str = "runs/bench"
     # time to accuracy from existing runs' accuracy and the measured (or reused) step times
     accuracy_runs: str = ""
+    accuracy_processes: int = 0  # processes the accuracy runs trained on (0: --workers)
     compute_ms: float | None = None
     from_results: str = ""
     # --train
@@ -141,6 +142,9 @@ class BenchConfig:
         if self.compute_ms is not None and not self.compute_ms > 0:
             raise ValueError(f"compute_ms {self.compute_ms!r} is invalid: allowed > 0 "
                              "(milliseconds of one full-rank training step on your GPU)")
+        if self.accuracy_processes < 0:
+            raise ValueError(f"accuracy_processes {self.accuracy_processes} is invalid: allowed "
+                             ">= 1, or 0 for --workers")
         if not self.accuracy_runs:
             if self.compute_ms is not None:
                 raise ValueError("--compute-ms projects time to accuracy: give --accuracy-runs "
@@ -159,7 +163,8 @@ class BenchConfig:
     def load_accuracy_runs(self) -> dict[str, acc.AccuracyRun]:
         return acc.load_accuracy_runs(self.accuracy_runs, model=self.model, width=self.width,
                                       batch_size=self.batch_size,
-                                      powersgd_rank=self.powersgd_rank)
+                                      powersgd_rank=self.powersgd_rank, workers=self.workers,
+                                      processes=self.accuracy_processes)
 
     def worker_threads(self) -> int:
         return self.threads or max(1, (os.cpu_count() or 1) // self.workers)
@@ -215,6 +220,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "measured step times, gives accuracy against wall-clock per link, "
                          "e.g. ddp=runs/full,powersgd=runs/psgd,pufferfish=runs/puff "
                          "(same model, width and batch; a ddp run sets the target)")
+    ap.add_argument("--accuracy-processes", type=int, default=d.accuracy_processes,
+                    metavar="N", help="processes the --accuracy-runs trained on, when not "
+                    "--workers (e.g. 1: one GPU at batch 128 for 2 workers x 64); 0: --workers")
     ap.add_argument("--compute-ms", type=float, default=d.compute_ms,
                     help="with --accuracy-runs: your GPU's time per full-rank training step "
                          "(one worker's batch), to project time to accuracy for 8 and 64 "
@@ -254,7 +262,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup_epochs=args.warmup_epochs, train_subset=args.train_subset,
         test_subset=args.test_subset, lr=args.lr, train_config=args.train_config,
         rounds=args.rounds,
-        accuracy_runs=args.accuracy_runs, compute_ms=args.compute_ms,
+        accuracy_runs=args.accuracy_runs, accuracy_processes=args.accuracy_processes,
+        compute_ms=args.compute_ms,
         from_results=args.from_results,
     )  # fmt: skip
     for key, value in measured.items():  # what was measured, not today's flags
