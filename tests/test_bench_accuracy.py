@@ -264,6 +264,9 @@ def test_runs_of_one_process_at_the_same_global_batch_are_timed_as_the_bench_ste
         tables.append(json.loads((out / "results.json").read_text())["time_to_accuracy"]
                       ["measured"]["table"])
     assert tables[0] == tables[1]
+    assert "the runs used 1 process(es) at the same global batch" in (
+        tmp_path / "out0" / "results.md").read_text()
+    assert "the runs used 2 processes" in (tmp_path / "out1" / "results.md").read_text()
     # ...and a global batch that differs is refused in one line naming both.
     rc = main(["bench", "--from-results", str(saved), "--accuracy-runs", f"ddp={one['ddp']}",
                "--accuracy-processes", "4", "--out", str(tmp_path / "bad")])

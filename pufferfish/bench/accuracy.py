@@ -409,6 +409,15 @@ def _run_cells(method: str, run: Mapping[str, Any]) -> list[str]:
     return [method, f"`{run['path']}`", done, f"{100 * run['final_test_acc']:.2f}%"]
 
 
+def _processes(tta: Mapping[str, Any]) -> str:
+    """How the runs' process count relates to the bench's workers (older results: the same)."""
+    processes = tta.get("accuracy_processes", tta["workers"])
+    if processes == tta["workers"]:
+        return f"the runs used {processes} processes"
+    return (f"the runs used {processes} process(es) at the same global batch: the same steps "
+            "per epoch, the batch statistics of BatchNorm over a different split")
+
+
 def markdown(tta: Mapping[str, Any]) -> list[str]:
     """The ``results.md`` sections of :func:`pufferfish.bench.results.time_to_accuracy_result`."""
     points = tta["points_below"]
@@ -421,8 +430,8 @@ def markdown(tta: Mapping[str, Any]) -> list[str]:
         "= the sum over epochs so far of steps/epoch x the method's step time measured on the "
         "link (median over rounds); a Pufferfish epoch steps at DDP's time while the run is "
         "full-rank (warm-up) and at its own after the switch (the run's `lowrank` flag). "
-        f"Steps/epoch = ⌊N / {tta['workers']} workers⌋ / batch (the runs must have used "
-        f"{tta['workers']} processes). Evaluation and data loading are not counted. "
+        f"Steps/epoch = ⌊N / {tta['workers']} workers⌋ / batch ({_processes(tta)}). "
+        "Evaluation and data loading are not counted. "
         "step ms: median step time (a Pufferfish run's warm-up → after the switch). "
         "[low–high]: every step time at its min / max over rounds; speed-up vs DDP [worst–best]: "
         "DDP's low time over the method's high, and DDP's high over the method's low.", "",

@@ -93,6 +93,7 @@ def time_to_accuracy_result(cfg: BenchConfig, rows: list[dict[str, Any]], links:
         "ddp_final_acc": ddp_final,
         "points_below": list(acc.TARGET_POINTS),
         "workers": cfg.workers,
+        "accuracy_processes": cfg.accuracy_processes or cfg.workers,
         "measured": {"curves": [asdict(c) for c in curves],
                      "table": acc.target_table(curves, ddp_final)},
         "projected": None,
