@@ -133,9 +133,15 @@ def main() -> None:
     times = calibrate(out / "calibration", common, args.calib_subset)
     wanted = [j for j in CONVNET_JOBS if not args.only or j[0] in args.only.split(",")]
     epochs, jobs = plan(times, deadline - time.perf_counter(), wanted)
-    lstm = [(f"lstm-{m}-s0", lm, ["--mode", m, "--seed", "0", "--epochs", str(args.lstm_epochs),
-                                  "--warmup-epochs", str(max(1, round(args.lstm_epochs * 0.1)))])
-            for m in ("full", "pufferfish") if not args.no_lstm]
+    # Pufferfish switches at the first LR drop (the LSTM config's choice), beside the paper's 10%.
+    lstm = [(f"lstm-{name}-s0", lm, ["--mode", mode, "--seed", "0", "--epochs", str(args.lstm_epochs),
+                                     *warmup])
+            for name, mode, warmup in (
+                ("full", "full", []),
+                ("pufferfish", "pufferfish", ["--warmup-epochs", str(args.lstm_epochs // 2)]),
+                ("puff10pct", "pufferfish",
+                 ["--warmup-epochs", str(max(1, round(args.lstm_epochs * 0.1)))]))
+            if not args.no_lstm]
     queue = []
     for name, flags, mode, _ in jobs:
         if "--warmup-epochs" not in mode:

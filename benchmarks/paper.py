@@ -30,9 +30,11 @@ from pufferfish.models import build_at_width
 from pufferfish.training.metrics import read_metrics
 from pufferfish.training.report import compare_runs
 
-RUN_NAME = re.compile(r"^(?P<method>full|puffproj|puffkeep1|puff|lowrank|auto|psgd)-s(?P<seed>\d+)$")
+RUN_NAME = re.compile(
+    r"^(?P<method>full|puffproj|puffkeep1|pufflate|puff|lowrank|auto|psgd)-s(?P<seed>\d+)$")
 # Pufferfish variants shown beside the paper's recipe in the accuracy claim: run name -> column.
-VARIANTS = {"puffproj": "momentum projected", "puffkeep1": "`layer1` kept", "auto": "auto"}
+VARIANTS = {"puffproj": "momentum projected", "puffkeep1": "`layer1` kept",
+            "pufflate": "switch at the first LR drop", "auto": "auto"}
 WHAT_DIFFERS = (
     "The paper trains ResNet-18 and VGG-19-BN at full width on CIFAR-10 (300 epochs), ResNet-50 on "
     "ImageNet and an LSTM on WikiText-2, on clusters of GPU machines. Here: Fashion-MNIST (the "
@@ -156,8 +158,9 @@ def parity(found: dict[str, dict[str, dict[int, Path]]], out: Path) -> Section:
             ["seed", "full rank", "Pufferfish", "gap (points; LM: perplexity)", "fewer params",
              *[f"{VARIANTS[v]} (points)" for v in variants]], rows),
             "", f"![{exp}]({exp}/accuracy.png)", ""]
-    section.ours = ["Pufferfish = the paper's recipe (momentum reset at the switch). Variants "
-                    "(docs/benchmarks.md): `--switch-momentum project`, `--keep 'layer1.*'`, "
+    section.ours = ["Pufferfish = the paper's recipe (momentum reset at the switch, ~10% "
+                    "warm-up). Variants (docs/benchmarks.md): `--switch-momentum project`, "
+                    "`--keep 'layer1.*'`, the warm-up to the first LR milestone, "
                     "`--warmup-epochs auto`; a mean is over the seeds that have the variant.", "",
                     *section.ours]
     if not section.sources:
