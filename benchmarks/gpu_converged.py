@@ -15,12 +15,13 @@ land in OUT without checkpoints, and ``summary.md`` lists each run's last epoch.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from pufferfish.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS_PER_EPOCH = 60_000 // 128
@@ -55,17 +56,10 @@ def train(out: Path, name: str, flags: list[str], common: list[str]) -> list[str
             "--checkpoint-every-epochs", "0", "--overwrite"]
 
 
-def epochs_of(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def calibrate(out: Path, common: list[str], subset: int) -> dict[str, tuple[float, float]]:
     """Seconds per full-data epoch (full rank, low rank) of each convnet, each run alone.
 
-    Three short epochs with the switch after two: the first pays cuDNN's autotuning, the second
+    Three short epochs with the switch after two: the first pays CUDA's first-call set-up, the second
     times full rank, the third low rank (and proves the switch works under autocast on CUDA).
     """
     times = {}
@@ -78,7 +72,7 @@ def calibrate(out: Path, common: list[str], subset: int) -> dict[str, tuple[floa
         if proc.returncode != 0:
             sys.exit(f"calibration of {key} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
                      f"\n{proc.stderr[-3000:]}")
-        per_step = [r["epoch_time"] / (subset // 128) for r in epochs_of(out / f"calib-{key}")]
+        per_step = [r["epoch_time"] / (subset // 128) for r in read_metrics(out / f"calib-{key}")]
         times[key] = (per_step[1] * STEPS_PER_EPOCH, per_step[2] * STEPS_PER_EPOCH)
         print(f"calibration {key}: {time.perf_counter() - start:.1f} s wall; ms per step "
               + ", ".join(f"{p * 1000:.1f}" for p in per_step), flush=True)
@@ -187,7 +181,7 @@ def summarize(out: Path) -> None:
     lines = ["| run | epochs | last test | best test | train loss | params | epoch s (mean) |",
              "|---|---|---|---|---|---|---|"]
     for run in sorted(p for p in out.iterdir() if (p / "config.toml").is_file()):
-        rows = epochs_of(run)
+        rows = read_metrics(run)
         for ckpt in run.glob("checkpoint*"):
             shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
         if not rows:

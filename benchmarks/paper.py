@@ -13,6 +13,7 @@ without cached runs it prints the command that would make them instead of a numb
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -100,14 +101,20 @@ def experiments(cache: Path) -> dict[str, dict[str, dict[int, Path]]]:
     return found
 
 
+@functools.cache
+def last_row(run: Path) -> dict:
+    """The run's last metrics row, read once per report."""
+    return read_metrics(run)[-1]
+
+
 def final(run: Path) -> float:
     """The run's last test accuracy in %, or its last test perplexity (language models)."""
-    row = read_metrics(run)[-1]
+    row = last_row(run)
     return row["test_ppl"] if "test_ppl" in row else 100 * row["test_acc"]
 
 
 def is_lm(run: Path) -> bool:
-    return "test_ppl" in read_metrics(run)[-1]
+    return "test_ppl" in last_row(run)
 
 
 def gap(run: Path, ref: Path) -> float:
@@ -138,7 +145,7 @@ def parity(found: dict[str, dict[str, dict[int, Path]]], out: Path) -> Section:
         for s in seeds:
             full, puff = methods["full"][s], methods["puff"][s]
             gaps.append(gap(puff, full))
-            p_full, p_low = (read_metrics(r)[-1]["params"] for r in (full, puff))
+            p_full, p_low = (last_row(r)["params"] for r in (full, puff))
             cells = []
             for v in variants:
                 run = methods[v].get(s)
@@ -184,8 +191,9 @@ def warmup(found: dict[str, dict[str, dict[int, Path]]]) -> Section:
     for exp, methods in found.items():
         for s in sorted(set(methods.get("puff", {})) & set(methods.get("lowrank", {}))):
             puff, low = methods["puff"][s], methods["lowrank"][s]
+            lm = is_lm(puff)  # worth = lower perplexity, or higher accuracy
             rows.append([exp, str(s), shown(puff), shown(low),
-                         shown_gap(-gap(puff, low) if is_lm(puff) else gap(puff, low), is_lm(puff))])
+                         shown_gap(-gap(puff, low) if lm else gap(puff, low), lm)])
             section.sources += [str(puff), str(low)]
     section.ours = markdown_table(["experiment", "seed", "with warm-up", "from the start",
                                    "warm-up worth"], rows)

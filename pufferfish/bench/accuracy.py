@@ -153,8 +153,9 @@ def load_accuracy_runs(
                                  f"measures {key} {want!r}")
         if not factorized and any(r.get("lowrank") for r in rows):
             raise ValueError(f"{where}: the run has low-rank epochs but {method} is full-rank")
-        runs[method] = AccuracyRun(method, str(path), rows, cfg.epochs,
-                                   batch_size if "batch_size" not in expect else cfg.batch_size,
+        # batch_size: the bench's per-worker batch, which the checks above made the run's too
+        # (or its equal share of the same global batch)
+        runs[method] = AccuracyRun(method, str(path), rows, cfg.epochs, batch_size,
                                    cfg.train_subset or FASHION_MNIST_TRAIN)
     return runs
 
