@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_converged.py --out OUT --budget-s 520 --fashion-dir DIR --kjv FILE
 
-Every run is a plain ``pufferfish train`` (one process, batch 128, fp16 autocast); this script
+Every run is a plain ``pufferfish train`` (one process, batch 128, fp16 autocast; under torchrun
+when it names a comm hook, which needs a process group); this script
 only schedules them. It first times one short epoch of each model alone (which is also the smoke
 test: a failure stops everything at once), then picks the largest epoch budget at which the
 ResNet-18 pair (full rank and Pufferfish, two seeds) fits the time left, and adds the other runs in
@@ -46,17 +47,29 @@ CONVNET_JOBS = [
     ("resnet18-lowrank-s1", RESNET, ["--mode", "lowrank", "--seed", "1"], "resnet18"),
     ("vgg19-full-s1", VGG, ["--mode", "full", "--seed", "1"], "vgg19"),
     ("vgg19-puff-s1", VGG, ["--mode", "pufferfish", "--seed", "1"], "vgg19"),
+    # Session 10: PowerSGD at the paper's width, Pufferfish with fp16 gradients (the two compose),
+    # auto's second seed.
+    ("resnet18-psgd-s0", RESNET, ["--mode", "full", "--seed", "0", "--comm", "powersgd"], "resnet18"),
+    ("resnet18-pufffp16-s0", RESNET, ["--mode", "pufferfish", "--seed", "0", "--comm", "fp16"],
+     "resnet18"),
+    ("resnet18-auto-s1", RESNET, ["--mode", "pufferfish", "--seed", "1", *AUTO], "resnet18"),
+    ("resnet18-psgd-s1", RESNET, ["--mode", "full", "--seed", "1", "--comm", "powersgd"], "resnet18"),
 ]
 CORE = 4  # the first four must fit, or the epoch budget shrinks
 
 
 def train(out: Path, name: str, flags: list[str], common: list[str]) -> list[str]:
-    return [sys.executable, "-m", "pufferfish", "train", *flags, *common,
+    launcher = [sys.executable, "-m", "pufferfish"]
+    if "--comm" in flags:  # a comm hook needs a process group: torchrun with one process
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "1", "-m", "pufferfish"]
+    return [*launcher, "train", *flags, *common,
             "--out", str(out / name), "--no-progress", "--threads", "2",
             "--checkpoint-every-epochs", "0", "--overwrite"]
 
 
-def calibrate(out: Path, common: list[str], subset: int) -> dict[str, tuple[float, float]]:
+def calibrate(out: Path, common: list[str], subset: int,
+              models: set[str]) -> dict[str, tuple[float, float]]:
     """Seconds per full-data epoch (full rank, low rank) of each convnet, each run alone.
 
     Three short epochs with the switch after two: the first pays CUDA's first-call set-up, the second
@@ -64,6 +77,8 @@ def calibrate(out: Path, common: list[str], subset: int) -> dict[str, tuple[floa
     """
     times = {}
     for key, flags in (("resnet18", RESNET), ("vgg19", VGG)):
+        if key not in models:
+            continue
         extra = ["--epochs", "3", "--warmup-epochs", "2", "--mode", "pufferfish", "--seed", "0",
                  "--train-subset", str(subset), "--test-subset", "2000"]
         start = time.perf_counter()
@@ -114,7 +129,9 @@ def main() -> None:
     p.add_argument("--calib-subset", type=int, default=6400)
     p.add_argument("--lstm-epochs", type=int, default=10)
     p.add_argument("--only", default="", help="comma-separated run names (default: all, by priority)")
-    p.add_argument("--no-lstm", action="store_true", help="skip the two LSTM runs")
+    p.add_argument("--lstm-runs", default="full-s0,pufferfish-s0,puff10pct-s0",
+                   help="comma-separated LSTM runs, VARIANT-sSEED (variants: full, pufferfish, "
+                        "puff10pct; empty: none)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags for every run")
     args = p.parse_args()
     start = time.perf_counter()
@@ -124,18 +141,19 @@ def main() -> None:
     common = ["--data-dir", args.fashion_dir, "--amp", *args.extra]
     lm = ["--config", "configs/lstm_kjv.toml", "--width", "1.0", "--data", args.kjv, "--amp",
           *args.extra]
-    times = calibrate(out / "calibration", common, args.calib_subset)
     wanted = [j for j in CONVNET_JOBS if not args.only or j[0] in args.only.split(",")]
+    times = calibrate(out / "calibration", common, args.calib_subset, {j[3] for j in wanted})
     epochs, jobs = plan(times, deadline - time.perf_counter(), wanted)
     # Pufferfish switches at the first LR drop (the LSTM config's choice), beside the paper's 10%.
-    lstm = [(f"lstm-{name}-s0", lm, ["--mode", mode, "--seed", "0", "--epochs", str(args.lstm_epochs),
-                                     *warmup])
-            for name, mode, warmup in (
-                ("full", "full", []),
-                ("pufferfish", "pufferfish", ["--warmup-epochs", str(args.lstm_epochs // 2)]),
-                ("puff10pct", "pufferfish",
-                 ["--warmup-epochs", str(max(1, round(args.lstm_epochs * 0.1)))]))
-            if not args.no_lstm]
+    variants = {"full": ("full", []),
+                "pufferfish": ("pufferfish", ["--warmup-epochs", str(args.lstm_epochs // 2)]),
+                "puff10pct": ("pufferfish",
+                              ["--warmup-epochs", str(max(1, round(args.lstm_epochs * 0.1)))])}
+    lstm = []
+    for run in filter(None, args.lstm_runs.split(",")):
+        name, seed = run.rsplit("-s", 1)
+        lstm.append((f"lstm-{run}", lm, ["--mode", variants[name][0], "--seed", seed,
+                                         "--epochs", str(args.lstm_epochs), *variants[name][1]]))
     queue = []
     for name, flags, mode, _ in jobs:
         if "--warmup-epochs" not in mode:

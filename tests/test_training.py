@@ -226,6 +226,8 @@ def _write_idx(path: Path, magic: int, dims: list[int], payload: bytes) -> None:
     (["--warmup-epochs", "auto", "--switch-window", "0"], "switch_window 0.0 is invalid"),
     (["--warmup-epochs", "auto", "--switch-threshold", "-1"], "switch_threshold -1.0 is invalid"),
     (["--stable-rank-every-steps", "-2"], "stable_rank_every_steps -2 is invalid"),
+    # one process has no all-reduce: the hook would silently do nothing
+    (["--comm", "powersgd"], "comm 'powersgd' is invalid without a process group"),
 ])
 def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
     result = run_cli("train", *TINY, *args, "--out", "/tmp/pufferfish-never-written")

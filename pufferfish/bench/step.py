@@ -74,12 +74,13 @@ __all__ = ["BENCH_METHODS", "HOOK_DEFAULTS", "HOOK_OPTIONS", "PUFFERFISH_RANK_RA
            "main", "method_options"]
 
 # method -> (factorize the model?, comm hook): plain DDP, every registered comm hook, Pufferfish
-# with plain all-reduce and with PowerSGD.
+# with plain all-reduce and with each hook (the two compose: a smaller model, then fewer bytes
+# per parameter).
 BENCH_METHODS: dict[str, tuple[bool, str]] = {
     "ddp": (False, "allreduce"),
     **{hook: (False, hook) for hook in hook_names() if hook != "allreduce"},
     "pufferfish": (True, "allreduce"),
-    "pufferfish+powersgd": (True, "powersgd"),
+    **{f"pufferfish+{hook}": (True, hook) for hook in hook_names() if hook != "allreduce"},
 }
 # The hooks' options (flags --powersgd-rank, --topk-ratio, ...) and where the bench's defaults
 # differ from training's: PowerSGD compresses from step 2, so that the timed steps compress.

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from ..config import TrainConfig, dump_toml
+from ..config import ConfigError, TrainConfig, dump_toml
 from ..data import DataError
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
@@ -114,6 +114,11 @@ def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]
             raise
         raise PeerError(f"could not form the process group of {os.environ.get('WORLD_SIZE')} "
                         f"processes within --timeout-s {cfg.timeout_s:g}: {_gloo_text(e)}") from e
+    if not env.distributed and cfg.comm != "allreduce":
+        # One process has no gradient all-reduce to compress: training would silently run
+        # without the hook the user asked for.
+        raise ConfigError(f"comm {cfg.comm!r} is invalid without a process group: allowed "
+                          "'allreduce', or launch under torchrun (--nproc-per-node 1 works)")
     finished = False  # every rank ran to the end: the group can be drained (see cleanup)
     try:
         rows = _train(cfg, env, method)
