@@ -213,6 +213,26 @@ def _resume(name: str, rank: int) -> dict[str, Any]:
     return {"gap": (_flat_params(model) - _flat_params(model2)).abs().max().item()}
 
 
+def _nonfinite_step(name: str, rank: int) -> dict[str, Any]:
+    """Compressing steps, then one whose gradient on rank 0 is inf (an fp16 overflow; the
+    optimizer skips it, as GradScaler does), then more: the hook's memory must not keep it."""
+    model = _mlp()
+    ddp = DDP(model)
+    register_comm_hook(ddp, name, **OPTIONS[name])
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR[name])
+    finite = []
+    for step in range(PSGD_START + 4):
+        opt.zero_grad()
+        loss = _loss(ddp, step, rank)
+        if step == PSGD_START + 1 and rank == 0:
+            loss = loss * float("inf")
+        loss.backward()
+        finite.append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
+        if finite[-1]:
+            opt.step()
+    return {"finite": finite, "replica_gap": _replica_gap(model)}
+
+
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -233,6 +253,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             },
             "signum": _signum_vote(rank),
             "resume": {name: _resume(name, rank) for name in ("powersgd", "signum", "topk")},
+            "nonfinite": {name: _nonfinite_step(name, rank) for name in ("powersgd", "topk")},
         }
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         finished = True
@@ -352,6 +373,18 @@ def test_state_dict_resume_is_exact(runs, name):
 
 
 # --------------------------------------------------------------------------- no process group
+
+
+@pytest.mark.parametrize("name", ["powersgd", "topk"])
+def test_a_skipped_nonfinite_step_does_not_poison_the_memory(runs, name):
+    # The inf step comes back non-finite on both ranks (so both skip it); the steps after it are
+    # finite again (without forget_if_nonfinite, PowerSGD's error and Q stayed NaN for good).
+    bad = PSGD_START + 1
+    for rank in runs:
+        finite = rank["nonfinite"][name]["finite"]
+        assert finite[:bad] == [True] * bad and finite[bad] is False, finite
+        assert finite[bad + 1:] == [True] * (len(finite) - bad - 1), finite
+        assert rank["nonfinite"][name]["replica_gap"] == 0.0
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 64, 101])

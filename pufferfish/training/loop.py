@@ -200,6 +200,11 @@ def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method) -
                                 weight_decay=cfg.weight_decay)
     wrapped = dist_env.wrap_ddp(model, env)
     scaler = (torch.amp.GradScaler("cuda") if cfg.amp and env.device.type == "cuda" else None)
+    if scaler is not None and cfg.comm == "signum":
+        # GradScaler divides the reduced gradient by the loss scale; signum's +-1 votes
+        # never carried it, so every step would shrink by the scale (2**16 at first).
+        raise ConfigError("comm 'signum' is invalid with amp on CUDA (its +-1 votes ignore the "
+                          "loss scale): allowed without --amp, or another comm")
     return Run(model=model, wrapped=wrapped, optimizer=optimizer, scaler=scaler,
                hook_state=_register_hook(cfg, wrapped, env))
 

@@ -78,6 +78,11 @@ class BucketMemory:
             offset += numel
         return new, complete
 
+    def forget(self, index: int) -> None:
+        """Drop bucket ``index``'s buffer: its next :meth:`get` starts it from zero."""
+        self.buffers.pop(index, None)
+        self.layouts.pop(index, None)
+
     def end_step(self) -> None:
         """Forget replaced buffers (every bucket of the step has been remapped by now)."""
         self._retired.clear()

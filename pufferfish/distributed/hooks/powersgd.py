@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _torch_
 from .accounting import with_hook_time
 from .memory import BucketMemory, Layout, load_layouts, save_layouts, tensor_dict_copy
 from .registry import HookFamily, HookOption, register_hook_family
-from .state import CommHookState, check_setting
+from .state import CommHookState, check_setting, forget_if_nonfinite
 
 __all__ = ["RANK", "START_ITER", "PowerSGDHookState", "powersgd_hook", "powersgd_payload_numel"]
 
@@ -204,6 +204,13 @@ class PowerSGDHookState(CommHookState):
             self._errors.end_step()
             self._qs.end_step()
 
+    def forget_bucket(self, index: int) -> None:
+        """Zero the bucket's error and let torch draw a fresh Q (identically on every rank)."""
+        self._errors.forget(index)
+        self._qs.forget(index)
+        self.powersgd.p_memory_dict.pop(index, None)
+        self._bucket_layouts.pop(index, None)
+
     def state_dict(self) -> dict[str, Any]:
         ps = self.powersgd
         _, keys, pos, has_gauss, cached_gaussian = ps.rng.get_state()
@@ -298,7 +305,7 @@ def powersgd_hook(
     t_compress = time.perf_counter()
     if compressing and (ps.use_error_feedback or ps.warm_start):
         state._prepare_bucket(bucket)
-    fut = _torch_powersgd.powerSGD_hook(ps, bucket)
+    fut = forget_if_nonfinite(state, bucket.index(), _torch_powersgd.powerSGD_hook(ps, bucket))
     if compressing:
         stats.add_compress_time(time.perf_counter() - t_compress)
         if dist.get_backend(group) != dist.Backend.NCCL:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from .accounting import CommStats
 from .memory import Layout
 
-__all__ = ["CommHookState", "check_setting"]
+__all__ = ["CommHookState", "check_setting", "forget_if_nonfinite"]
 
 
 def check_setting(name: str, value: Any, ok: bool, allowed: str) -> None:
@@ -74,6 +74,10 @@ class CommHookState:
             layout.append((key, p.numel()))
         return tuple(layout)
 
+    def forget_bucket(self, index: int) -> None:
+        """Drop bucket ``index``'s memory (see :func:`forget_if_nonfinite`); stateless: nothing."""
+        del index
+
     def state_dict(self) -> dict[str, Any]:
         """Checkpointable memory (tensors and numbers only; never the process group)."""
         return {}
@@ -81,3 +85,23 @@ class CommHookState:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore memory saved by :meth:`state_dict`."""
         del state_dict
+
+
+def forget_if_nonfinite(
+    state: CommHookState, index: int, fut: torch.futures.Future[torch.Tensor]
+) -> torch.futures.Future[torch.Tensor]:
+    """``fut`` that, when bucket ``index`` comes back non-finite, first drops its memory.
+
+    A non-finite reduced gradient (an fp16 loss-scale overflow under ``GradScaler``, a NaN under
+    ``--nonfinite skip``) makes the step be skipped, but error feedback or warm start would keep
+    it: every later step would be non-finite too and training would silently stop (PowerSGD
+    under CUDA autocast did, on the H200). The reduced bucket is the same on every rank, so every
+    rank drops the same memory. Costs one device sync per bucket.
+    """
+    def check(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        out = f.value()
+        if not bool(torch.isfinite(out).all()):
+            state.forget_bucket(index)
+        return out
+
+    return fut.then(check)

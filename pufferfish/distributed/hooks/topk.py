@@ -14,7 +14,7 @@ import torch.distributed as dist
 from .accounting import with_hook_time
 from .memory import BucketMemory
 from .registry import HookFamily, HookOption, register_hook_family
-from .state import CommHookState
+from .state import CommHookState, forget_if_nonfinite
 
 __all__ = ["RATIO", "TopKState", "topk_count", "topk_hook"]
 
@@ -66,6 +66,9 @@ class TopKState(CommHookState):
 
     def _options(self) -> dict[str, Any]:
         return {"ratio": self.ratio}
+
+    def forget_bucket(self, index: int) -> None:
+        self._memory.forget(index)
 
     def state_dict(self) -> dict[str, Any]:
         sd = self._memory.state_dict()
@@ -126,7 +129,8 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         state.stats.add_compress_time(time.perf_counter() - t0)
         return buf
 
-    return with_hook_time(state.stats, fut.then(decode), t_start)
+    return with_hook_time(state.stats, forget_if_nonfinite(state, bucket.index(), fut.then(decode)),
+                          t_start)
 
 
 register_hook_family(
