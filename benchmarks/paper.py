@@ -19,6 +19,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,15 +103,33 @@ def experiments(cache: Path) -> dict[str, dict[str, dict[int, Path]]]:
 
 
 @functools.cache
+def rows_of(run: Path) -> tuple[dict, ...]:
+    """The run's metrics rows, read once per report."""
+    return tuple(read_metrics(run))
+
+
 def last_row(run: Path) -> dict:
-    """The run's last metrics row, read once per report."""
-    return read_metrics(run)[-1]
+    return rows_of(run)[-1]
+
+
+def planned_epochs(run: Path) -> int:
+    """The epochs the run was configured for (a run stopped early has fewer rows)."""
+    return int(tomllib.loads((run / "config.toml").read_text())["epochs"])
+
+
+def metric(row: dict) -> float:
+    """A row's test accuracy in %, or its test perplexity (language models)."""
+    return row["test_ppl"] if "test_ppl" in row else 100 * row["test_acc"]
 
 
 def final(run: Path) -> float:
-    """The run's last test accuracy in %, or its last test perplexity (language models)."""
-    row = last_row(run)
-    return row["test_ppl"] if "test_ppl" in row else 100 * row["test_acc"]
+    return metric(last_row(run))
+
+
+def partial_note(run: Path) -> str:
+    """' (9 of 10 epochs)' for a run stopped before its budget, else ''."""
+    done, planned = len(rows_of(run)), planned_epochs(run)
+    return f" ({done} of {planned} epochs)" if done < planned else ""
 
 
 def is_lm(run: Path) -> bool:
@@ -118,12 +137,16 @@ def is_lm(run: Path) -> bool:
 
 
 def gap(run: Path, ref: Path) -> float:
-    """Points of accuracy against ``ref``, or % of perplexity (positive: worse) for an LM."""
-    return 100 * (final(run) / final(ref) - 1) if is_lm(run) else final(run) - final(ref)
+    """Points of accuracy against ``ref``, or % of perplexity (positive: worse) for an LM, at
+    the last epoch both reached (a run stopped early is compared with ``ref`` at that epoch)."""
+    n = min(len(rows_of(run)), len(rows_of(ref)))
+    a, b = metric(rows_of(run)[n - 1]), metric(rows_of(ref)[n - 1])
+    return 100 * (a / b - 1) if is_lm(run) else a - b
 
 
 def shown(run: Path) -> str:
-    return f"{final(run):.1f} ppl" if is_lm(run) else f"{final(run):.2f}%"
+    value = f"{final(run):.1f} ppl" if is_lm(run) else f"{final(run):.2f}%"
+    return value + partial_note(run)
 
 
 def shown_gap(value: float, lm: bool) -> str:
@@ -212,7 +235,11 @@ def speed(found: dict[str, dict[str, dict[int, Path]]], cache: Path, out: Path) 
     for results in sorted(cache.glob("*/bench/results.json")):
         exp = results.parent.parent.name
         saved = json.loads(results.read_text())
-        runs = {m: found.get(exp, {}).get(k, {}).get(0) for m, k in
+        methods = found.get(exp, {})
+        # One seed for all three: the first that has PowerSGD too, else the first full/puff pair.
+        pair = set(methods.get("full", {})) & set(methods.get("puff", {}))
+        seed = min(pair & set(methods.get("psgd", {})) or pair or {0})
+        runs = {m: methods.get(k, {}).get(seed) for m, k in
                 (("ddp", "full"), ("pufferfish", "puff"), ("powersgd", "psgd"))}
         runs = {m: r for m, r in runs.items() if r is not None}
         tta = out / f"{exp}-time"
@@ -227,9 +254,13 @@ def speed(found: dict[str, dict[str, dict[int, Path]]], cache: Path, out: Path) 
                  "-" if t["speedup_vs_ddp"] is None else
                  f"{t['speedup_vs_ddp']:.2f}x [{t['speedup_worst']:.2f}–{t['speedup_best']:.2f}]"]
                 for t in table["table"]]
-        e2e.ours += [f"### {exp}", "", *markdown_table(
+        stopped = [f"`{r.parent.name}/{r.name}`{partial_note(r)}" for r in runs.values()
+                   if partial_note(r)]
+        e2e.ours += [f"### {exp} (seed {seed})", "", *markdown_table(
             ["link", "target (points below full)", "method", "time to target", "vs DDP"], rows),
-            "", f"![time to accuracy]({tta.name}/time_to_accuracy.png)", ""]
+            "", *([f"Stopped early: {', '.join(stopped)}; a target not reached by then reads "
+                   "'never'.", ""] if stopped else []),
+            f"![time to accuracy]({tta.name}/time_to_accuracy.png)", ""]
         e2e.sources += [str(results), *map(str, runs.values())]
         rows = [[r["bandwidth"], r["method"], f"{1000 * r['step_time']:.0f}",
                  f"{r['speedup_vs_ddp']:.2f}x [{r['spread']['speedup_vs_ddp'][0]:.2f}–"
