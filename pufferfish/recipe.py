@@ -169,7 +169,8 @@ class Recipe:
 
     def factorize_kwargs(self, model: nn.Module) -> dict[str, Any]:
         """The arguments of :func:`pufferfish.factorize` this recipe uses for ``model``."""
-        return self.switch_owner.plan.factorize_kwargs(_unwrap(model), self.tracker)
+        return self.switch_owner.plan.factorize_kwargs(_unwrap(model), self.tracker,
+                                                       self.switch_owner.policy.unsettled())
 
     def describe_decisions(self) -> str:
         """The automatic choices of the last switch as text, for the factorization report."""

@@ -109,6 +109,14 @@ class SwitchPolicy:
                                          "history": dict(self.tracker.history)}
         return decisions
 
+    def unsettled(self) -> list[str]:
+        """The tracked layers whose stable rank still moved (by at least the detector's
+        threshold per epoch) at the last observation: their ranks are not read from it."""
+        d = self.detector
+        if d is None:
+            return []
+        return [n for n in d.values if not d.smoothed_change(n) < d.threshold]
+
     def describe(self) -> list[str]:
         if self.warmup_epochs != "auto" or not self.switched:
             return []
@@ -198,9 +206,11 @@ class FactorizationPlan:
             keep += (getattr(model, "PRESETS", {}) or {}).get(self.preset, {}).get("keep", [])
         return keep
 
-    def factorize_kwargs(self, model: nn.Module, tracker: Any = None) -> dict[str, Any]:
+    def factorize_kwargs(self, model: nn.Module, tracker: Any = None,
+                         unsettled: Iterable[str] = ()) -> dict[str, Any]:
         """The arguments of :func:`pufferfish.factorize` for ``model`` (automatic choices made
-        now, from ``tracker``'s stable ranks and by profiling, rank 0's for all)."""
+        now, from ``tracker``'s stable ranks and by profiling, rank 0's for all; ``unsettled``
+        layers get the budget's rank, see :func:`~pufferfish.auto.choose_ranks`)."""
         kwargs: dict[str, Any] = dict(keep=list(self.keep), preset=self.preset,
                                       keep_first=self.keep_first, extra_bn=self.extra_bn,
                                       example_input=self.example_input)
@@ -209,8 +219,10 @@ class FactorizationPlan:
                 raise ValueError("rank_ratio='auto' needs the stable ranks at initialization: "
                                  "call observe(0, model) (or on_epoch_start) before training")
             ranks = broadcast_object(choose_ranks(tracker, keep=self.static_keep(model),
-                                                  max_ratio=self.max_rank_ratio))
+                                                  max_ratio=self.max_rank_ratio,
+                                                  unsettled=unsettled))
             self.decisions["ranks"] = ranks
+            self.decisions["unsettled"] = broadcast_object(sorted(set(unsettled) & set(ranks)))
             kwargs["overrides"] = ranks
             kwargs["rank_ratio"] = 1.0  # unused: every candidate has an override
         else:
@@ -234,10 +246,11 @@ class FactorizationPlan:
         self.decisions["keep_auto"] = {"keep": keep, "measurements": broadcast_object(measured)}
         return keep
 
-    def apply(self, model: nn.Module, tracker: Any = None) -> FactorizationReport:
+    def apply(self, model: nn.Module, tracker: Any = None,
+              unsettled: Iterable[str] = ()) -> FactorizationReport:
         """Factorize ``model`` in place, choose the kernel of each layer that has several, record
         both."""
-        self.report = factorize(model, **self.factorize_kwargs(model, tracker))
+        self.report = factorize(model, **self.factorize_kwargs(model, tracker, unsettled))
         if self.example_input is not None:
             self._choose_kernels(model)
         self.ranks = self.report.ranks
@@ -270,10 +283,14 @@ class FactorizationPlan:
         if ranks and tracker is not None:
             now = latest[1] if latest is not None else {}
             budget = "none" if self.max_rank_ratio is None else f"{self.max_rank_ratio:g} of full"
-            lines.append(f"ranks (auto, Cuttlefish rule, budget {budget}):")
-            rows = [("module", "stable rank at init", "now", "rank")]
+            lines.append(f"ranks (auto, Cuttlefish rule, budget {budget}; a stable rank still "
+                         "moving at the switch is not read: that layer gets the budget's rank):")
+            unsettled = set(self.decisions.get("unsettled", ()))
+            rows = [("module", "stable rank at init", "now", "rank", "from")]
             rows += [(n, f"{tracker.initial.get(n, float('nan')):.2f}",
-                      f"{now.get(n, float('nan')):.2f}", str(r)) for n, r in ranks.items()]
+                      f"{now.get(n, float('nan')):.2f}", str(r),
+                      "budget (unsettled)" if n in unsettled else "stable rank")
+                     for n, r in ranks.items()]
             lines += format_table(rows, indent="  ")
         measured = (self.decisions.get("keep_auto") or {}).get("measurements")
         if measured:
@@ -336,7 +353,7 @@ class Switch:
         """Factorize ``model`` in place at the start of ``epoch``; the report."""
         self.check(model)
         self.plan.decisions.update(self.policy.decisions(epoch))
-        report = self.plan.apply(model, self.policy.tracker)
+        report = self.plan.apply(model, self.policy.tracker, self.policy.unsettled())
         self.policy.switched_at = epoch
         return report
 

@@ -176,6 +176,16 @@ def test_max_ratio_caps_the_cuttlefish_rank() -> None:
         choose_ranks(tracker, max_ratio=0)
 
 
+def test_unsettled_layers_get_the_budget_rank() -> None:
+    model = nn.Sequential(nn.Linear(64, 64))
+    _set_diag(model[0], [1.0] * 32)
+    tracker = StableRankTracker(model)
+    _set_diag(model[0], [1.0] * 4)  # the rule says 8
+    assert choose_ranks(tracker, max_ratio=0.25) == {"0": 8}
+    assert choose_ranks(tracker, max_ratio=0.25, unsettled=["0"]) == {"0": 16}  # round(64/4)
+    assert choose_ranks(tracker, unsettled=["0"]) == {"0": 8}  # no budget: the rule's rank
+
+
 def test_choose_ranks_from_model_needs_initial() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     _set_diag(model[0], [1.0] * 8)

@@ -38,6 +38,31 @@ def test_recipe_auto_switches_on_a_plateau_and_picks_ranks() -> None:
     assert recipe.report is not None and recipe.report.params_after < recipe.report.params_before
 
 
+def test_recipe_auto_at_the_cap_reads_no_rank_from_a_stable_rank_still_falling() -> None:
+    model = _toy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # only the writes below move the weights
+    # Stable ranks (diagonals of ones) per epoch: layer 0 keeps falling, layer 2 fell, then held.
+    diagonals = {0: [32, 16, 4], 2: [32, 4, 4]}
+    recipe = pf.Recipe(warmup_epochs="auto", rank_ratio="auto", max_warmup=2)
+    for epoch in range(3):
+        for i, counts in diagonals.items():
+            _set_diag(model[i], [1.0] * counts[epoch])
+        model, opt, _ = recipe.on_epoch_start(epoch, model, opt)
+    assert recipe.switched and recipe.detector.reason == "cap"
+    ranks = recipe.decisions["ranks"]
+    assert ranks["2"] == 8  # settled: the rule's round(4 * 64 / 32)
+    assert ranks["0"] == 16  # still falling 75%/epoch: the budget's rank (the rule would say 8)
+    assert recipe.decisions["unsettled"] == ["0"]
+    assert "budget (unsettled)" in recipe.describe_decisions()
+
+
+def _set_diag(layer: nn.Linear, ones: list[float]) -> None:
+    with torch.no_grad():
+        w = torch.zeros_like(layer.weight)
+        w[range(len(ones)), range(len(ones))] = torch.tensor(ones)
+        layer.weight.copy_(w)
+
+
 def test_recipe_auto_without_budget_stops_where_factorizing_stops_saving() -> None:
     model = _toy()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
