@@ -33,10 +33,11 @@ from pufferfish.training.metrics import read_metrics
 from pufferfish.training.report import compare_runs
 
 RUN_NAME = re.compile(
-    r"^(?P<method>full|puffproj|puffkeep1|pufflate|puff|lowrank|auto|psgd)-s(?P<seed>\d+)$")
+    r"^(?P<method>full|puffproj|puffkeep1|pufflate|puffpsgd|puff|lowrank|auto|psgd)-s(?P<seed>\d+)$")
 # Pufferfish variants shown beside the paper's recipe in the accuracy claim: run name -> column.
 VARIANTS = {"puffproj": "momentum projected", "puffkeep1": "`layer1` kept",
-            "pufflate": "switch at the first LR drop", "auto": "auto"}
+            "pufflate": "switch at the first LR drop", "auto": "auto",
+            "puffpsgd": "with PowerSGD"}
 WHAT_DIFFERS = (
     "The paper trains ResNet-18 and VGG-19-BN at full width on CIFAR-10 (300 epochs), ResNet-50 on "
     "ImageNet and an LSTM on WikiText-2, on clusters of GPU machines. Here: Fashion-MNIST (the "
@@ -240,8 +241,10 @@ def speed(found: dict[str, dict[str, dict[int, Path]]], cache: Path, out: Path) 
         pair = set(methods.get("full", {})) & set(methods.get("puff", {}))
         seed = min(pair & set(methods.get("psgd", {})) or pair or {0})
         runs = {m: methods.get(k, {}).get(seed) for m, k in
-                (("ddp", "full"), ("pufferfish", "puff"), ("powersgd", "psgd"))}
-        runs = {m: r for m, r in runs.items() if r is not None}
+                (("ddp", "full"), ("pufferfish", "puff"), ("powersgd", "psgd"),
+                 ("pufferfish+powersgd", "puffpsgd"))}
+        timed = {row["method"] for row in saved["rows"]}  # a run needs its method's step times
+        runs = {m: r for m, r in runs.items() if r is not None and m in timed}
         tta = out / f"{exp}-time"
         subprocess.run([sys.executable, "-m", "pufferfish", "bench", "--from-results", str(results),
                         "--accuracy-runs", ",".join(f"{m}={r}" for m, r in runs.items()),
