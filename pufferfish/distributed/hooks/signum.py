@@ -87,6 +87,9 @@ def signum_hook(state: SignumState, bucket: dist.GradBucket) -> torch.futures.Fu
         momentum.copy_(buf)
     else:
         momentum.mul_(state.beta).add_(buf, alpha=1.0 - state.beta)
+    # A non-finite gradient (a skipped step) must not stay in the momentum: NaN would vote -1
+    # on every later step. Its entries restart from zero instead.
+    torch.nan_to_num_(momentum, nan=0.0, posinf=0.0, neginf=0.0)
     packed = pack_bits(momentum >= 0)  # 1 = "+1"; zero momentum votes +1
     state.stats.add_compress_time(time.perf_counter() - t_start)
 
