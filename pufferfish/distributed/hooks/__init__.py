@@ -67,7 +67,7 @@ from .registry import (
     with_option_fields,
 )
 from .signum import SignumState, signum_hook
-from .state import CommHookState
+from .state import CommHookState, forget_if_nonfinite
 from .topk import TopKState, topk_count, topk_hook
 
 __all__ = [
@@ -83,6 +83,7 @@ __all__ = [
     "TopKState",
     "all_hook_options",
     "allreduce_hook",
+    "forget_if_nonfinite",
     "fp16_hook",
     "hook_family",
     "hook_names",
