@@ -33,11 +33,11 @@ from pufferfish.training.metrics import read_metrics
 from pufferfish.training.report import compare_runs
 
 RUN_NAME = re.compile(
-    r"^(?P<method>full|puffproj|puffkeep1|pufflate|puffpsgd|puff|lowrank|auto|psgd)-s(?P<seed>\d+)$")
+    r"^(?P<method>full|puffproj|puffkeep1|pufflate|puffpsgd|puffw2|puff|lowrank|auto|psgd)-s(?P<seed>\d+)$")
 # Pufferfish variants shown beside the paper's recipe in the accuracy claim: run name -> column.
 VARIANTS = {"puffproj": "momentum projected", "puffkeep1": "`layer1` kept",
             "pufflate": "switch at the first LR drop", "auto": "auto",
-            "puffpsgd": "with PowerSGD"}
+            "puffpsgd": "with PowerSGD", "puffw2": "warm-up 2"}
 WHAT_DIFFERS = (
     "The paper trains ResNet-18 and VGG-19-BN at full width on CIFAR-10 (300 epochs), ResNet-50 on "
     "ImageNet and an LSTM on WikiText-2, on clusters of GPU machines. Here: Fashion-MNIST (the "
