@@ -204,7 +204,9 @@ def test_config_keys_and_checks_come_from_the_registry() -> None:
 def test_bench_offers_every_builtin_hook() -> None:
     assert set(HOOK_NAMES) - {"allreduce"} <= set(METHODS)
     assert METHODS["ddp"] == (False, "allreduce")
-    assert sorted(ALLGATHER_METHODS) == ["signum", "topk"]  # from each family's `collective`
+    # from each family's `collective`, also where Pufferfish composes with the hook
+    assert sorted(ALLGATHER_METHODS) == ["pufferfish+signum", "pufferfish+topk", "signum", "topk"]
+    assert METHODS["pufferfish+fp16"] == (True, "fp16")
     bench = BenchConfig()
     assert bench.powersgd_start_iter == 2 and bench.topk_ratio == 0.01  # the bench's defaults
     bench.signum_beta = 1.0
