@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_auto import _set_diag
 from test_training import TINY, metrics, needs_fashion, run_cli, tiny_lm_args
 from torch import nn
 
@@ -54,13 +55,6 @@ def test_recipe_auto_at_the_cap_reads_no_rank_from_a_stable_rank_still_falling()
     assert ranks["0"] == 16  # still falling 75%/epoch: the budget's rank (the rule would say 8)
     assert recipe.decisions["unsettled"] == ["0"]
     assert "budget (unsettled)" in recipe.describe_decisions()
-
-
-def _set_diag(layer: nn.Linear, ones: list[float]) -> None:
-    with torch.no_grad():
-        w = torch.zeros_like(layer.weight)
-        w[range(len(ones)), range(len(ones))] = torch.tensor(ones)
-        layer.weight.copy_(w)
 
 
 def test_recipe_auto_without_budget_stops_where_factorizing_stops_saving() -> None:

@@ -376,9 +376,6 @@ def test_state_dict_resume_is_exact(runs, name):
         assert r["resume"][name]["gap"] == 0.0
 
 
-# --------------------------------------------------------------------------- no process group
-
-
 @pytest.mark.parametrize("name", ["powersgd", "topk"])
 def test_a_skipped_nonfinite_step_does_not_poison_the_memory(runs, name):
     # The inf step comes back non-finite on both ranks (so both skip it); the steps after it are
@@ -398,6 +395,9 @@ def test_signum_momentum_forgets_a_nonfinite_gradient(runs):
     for rank in runs:
         assert rank["nonfinite"]["signum"]["memory_finite"]
         assert rank["nonfinite"]["signum"]["replica_gap"] == 0.0
+
+
+# --------------------------------------------------------------------------- no process group
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 64, 101])
