@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh Debian-like machine:
-#   make demo   installs everything and runs the main job (a real 2-process training run)
-#   make test   installs everything and runs the linter and the test suite (what CI runs)
+#   make demo   installs the package and runs the main job (a real 2-process training run)
+#   make test   installs the package with its test tools and runs the linter and the test suite
+#               (what CI runs)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,14 +9,21 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup data demo test lint bench clean
+.PHONY: setup setup-test data demo test lint bench clean
 
+# setup: what the package needs (the demo); setup-test adds the test tools and the third-party
+# libraries the integrations are tested against (transformers, lightning, ...).
 setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
@@ -25,11 +33,11 @@ data:
 		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q dataset-fashion-mnist bible-kjv; \
 	fi
 
-lint: setup
+lint: setup-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports   # the layers of docs/design.md (contracts in pyproject.toml)
 
-test: setup data lint
+test: setup-test data lint
 	$(PY) -m pytest
 
 demo: setup data

@@ -192,7 +192,7 @@ def test_time_to_accuracy(tmp_path: Path) -> None:
     assert [(r["method"], r["target_acc"], r["time_to_target"]) for r in summary] == [
         ("ddp", 0.7, 60.0), ("pufferfish", 0.7, 22.0)]
     md = train_markdown(BenchConfig(), summary, [], [])
-    assert "| 100mbit | pufferfish | 80.00% | 80.00% | 22.0 | 70.00% | 22.0 |" in md
+    assert "| 100mbit | pufferfish | 2 | 80.00% | 80.00% | 22.0 | 70.00% | 22.0 |" in md
 
 
 # -- bad input: one line, exit 2, nothing started ------------------------------------------------
@@ -211,6 +211,13 @@ def test_time_to_accuracy(tmp_path: Path) -> None:
     (["--accuracy-runs", "ddp"], "allowed METHOD=RUN_DIR"),
     (["--accuracy-runs", "ddp=/nonexistent/run"], "no metrics.jsonl there"),
     (["--from-results", "/nonexistent/bench"], "--from-results '/nonexistent/bench'"),
+    (["--train", "--methods", "ddp,pufferfish", "--method-epochs", "pufferfish=x"],
+     "--method-epochs entry 'pufferfish=x' is invalid: allowed METHOD=EPOCHS"),
+    (["--train", "--methods", "ddp", "--method-epochs", "pufferfish=4"],
+     "--method-epochs names 'pufferfish', which is not in --methods (ddp)"),
+    (["--train", "--methods", "ddp,pufferfish", "--epochs", "4", "--method-epochs",
+      "pufferfish=1"], "warmup_epochs 1 is invalid with pufferfish's 1 epochs"),
+    (["--methods", "ddp,pufferfish", "--method-epochs", "pufferfish=5"], "give --train too"),
     (["--train", "--train-config", "/nonexistent.toml"],
      "--train-config: config file '/nonexistent.toml' does not exist"),
 ])
@@ -327,3 +334,17 @@ def test_train_runs_take_the_config_file_and_the_bench_flags_win(tmp_path: Path)
                                     if getattr(args, k, None) is not None})
     assert (run.width, run.epochs, run.mode) == (0.25, 4, "pufferfish")  # the bench's flags
     assert (run.keep, run.switch_momentum) == (["layer1.*"], "project")  # the file's keys
+
+
+def test_method_epochs_give_one_method_a_longer_run(tmp_path: Path) -> None:
+    from pufferfish.bench.runner import _train_argv
+
+    cfg = BenchConfig(train=True, methods=["ddp", "pufferfish"], epochs=4,
+                      method_epochs="pufferfish=5")
+    cfg.validate()
+    assert cfg.epochs_per_method() == {"ddp": 4, "pufferfish": 5}
+    for method, epochs in (("ddp", "4"), ("pufferfish", "5")):
+        argv = _train_argv(cfg, method, tmp_path / method)
+        assert argv[argv.index("--epochs") + 1] == epochs
+        assert argv[argv.index("--checkpoint-every-epochs") + 1] == epochs
+    assert "epochs: ddp 4, pufferfish 5" in train_markdown(cfg, [], [], [])

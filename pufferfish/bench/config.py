@@ -65,6 +65,9 @@ class BenchConfig:
     # --train
     train: bool = False
     epochs: int = 3
+    # "pufferfish=5,...": epochs for named methods (the rest train --epochs). An equal wall-clock
+    # comparison: a method whose epoch is faster trains more of them in the same time.
+    method_epochs: str = ""
     warmup_epochs: int = 1
     train_subset: int = 0
     test_subset: int = 0
@@ -117,12 +120,13 @@ class BenchConfig:
                 raise ValueError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
         if self.lr <= 0:
             raise ValueError(f"lr {self.lr!r} is invalid: allowed > 0")
-        factorized = any(hook_for(m)[0] for m in self.methods)
-        if self.train and factorized and self.warmup_epochs >= self.epochs:
-            raise ValueError(
-                f"warmup_epochs {self.warmup_epochs} is invalid with epochs {self.epochs}: "
-                "Pufferfish methods need warmup_epochs < epochs"
-            )
+        epochs = self.epochs_per_method()
+        for m in self.methods:
+            if self.train and hook_for(m)[0] and self.warmup_epochs >= epochs[m]:
+                raise ValueError(
+                    f"warmup_epochs {self.warmup_epochs} is invalid with {m}'s {epochs[m]} "
+                    "epochs: Pufferfish methods need warmup_epochs < epochs"
+                )
         if self.train_config:
             try:
                 load_config(self.train_config)
@@ -165,6 +169,29 @@ class BenchConfig:
                                       batch_size=self.batch_size,
                                       powersgd_rank=self.powersgd_rank, workers=self.workers,
                                       processes=self.accuracy_processes)
+
+    def epochs_per_method(self) -> dict[str, int]:
+        """``--train``'s epochs for each of ``methods``: ``--method-epochs`` over ``--epochs``
+        (``ValueError`` naming a bad entry)."""
+        epochs = dict.fromkeys(self.methods, self.epochs)
+        named: set[str] = set()
+        for item in (s.strip() for s in self.method_epochs.split(",")):
+            if not item:
+                continue
+            method, _, count = (x.strip() for x in item.partition("="))
+            if not count.isdigit() or int(count) < 1:
+                raise ValueError(f"--method-epochs entry {item!r} is invalid: allowed "
+                                 "METHOD=EPOCHS with EPOCHS >= 1, e.g. pufferfish=5")
+            if method not in self.methods:
+                raise ValueError(f"--method-epochs names {method!r}, which is not in --methods "
+                                 f"({','.join(self.methods)})")
+            if method in named:
+                raise ValueError(f"--method-epochs names method {method!r} twice")
+            named.add(method)
+            epochs[method] = int(count)
+        if named and not self.train:
+            raise ValueError("--method-epochs sets how long --train trains: give --train too")
+        return epochs
 
     def worker_threads(self) -> int:
         return self.threads or max(1, (os.cpu_count() or 1) // self.workers)
@@ -233,6 +260,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--train", action="store_true",
                     help="train each method with `pufferfish train` and plot time-to-accuracy")
     ap.add_argument("--epochs", type=int, default=d.epochs, help="--train: epochs per method")
+    ap.add_argument("--method-epochs", default=d.method_epochs, metavar="METHOD=EPOCHS,...",
+                    help="--train: other epochs for some methods, e.g. pufferfish=5 with "
+                         "--epochs 4 (an equal wall-clock budget: a faster method trains more "
+                         "epochs in the same time)")
     ap.add_argument("--warmup-epochs", type=int, default=d.warmup_epochs,
                     help="--train: Pufferfish's full-rank warm-up epochs")
     ap.add_argument("--train-subset", type=int, default=d.train_subset,
@@ -259,6 +290,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         data_dir=args.data_dir, alpha=args.alpha_us * 1e-6, probe=args.probe,
         channels_last=args.channels_last,
         timeout=args.timeout, out=args.out, train=args.train, epochs=args.epochs,
+        method_epochs=args.method_epochs,
         warmup_epochs=args.warmup_epochs, train_subset=args.train_subset,
         test_subset=args.test_subset, lr=args.lr, train_config=args.train_config,
         rounds=args.rounds,

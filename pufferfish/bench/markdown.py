@@ -159,15 +159,17 @@ def _projection_markdown(projection: dict[str, Any]) -> list[str]:
 def train_markdown(cfg: BenchConfig, runs: list[dict[str, Any]],
                    skipped: list[dict[str, str]], failures: list[dict[str, str]]) -> str:
     """``train.md``: per link and method, accuracy and the time to the link's common target."""
+    epochs = cfg.epochs_per_method()
+    budget = ", ".join(f"{m} {e}" for m, e in epochs.items())
     lines = [
         f"# pufferfish bench --train: {cfg.model} x{cfg.width}, {cfg.workers} workers, "
-        f"{cfg.epochs} epochs",
+        + (f"{cfg.epochs} epochs" if len(set(epochs.values())) <= 1 else f"epochs: {budget}"),
         "",
         "Time = summed training epoch times (evaluation excluded); target = the best test "
         "accuracy that every run on that link reached. Plots: train/<bandwidth>/accuracy.png.",
         "",
-        *markdown_table(["bandwidth", "method", "final acc", "best acc", "train s", "target acc",
-                         "s to target"], map(_train_cells, runs)),
+        *markdown_table(["bandwidth", "method", "epochs", "final acc", "best acc", "train s",
+                         "target acc", "s to target"], map(_train_cells, runs)),
     ]
     lines += [f"- {s['bandwidth']}: skipped ({s['reason']})" for s in skipped]
     lines += [f"- {f['method']} @ {f['bandwidth']}: FAILED: {f['error']}" for f in failures]
@@ -176,6 +178,6 @@ def train_markdown(cfg: BenchConfig, runs: list[dict[str, Any]],
 
 def _train_cells(r: dict[str, Any]) -> list[str]:
     reach = "-" if r["time_to_target"] is None else f"{r['time_to_target']:.1f}"
-    return [r["bandwidth"], r["method"], f"{100 * r['final_test_acc']:.2f}%",
+    return [r["bandwidth"], r["method"], str(r.get("epochs", "-")), f"{100 * r['final_test_acc']:.2f}%",
             f"{100 * r['best_test_acc']:.2f}%", f"{r['train_time']:.1f}",
             f"{100 * r['target_acc']:.2f}%", reach]

@@ -119,6 +119,7 @@ def train_summary(text: str, done: list[tuple[str, Path]]) -> list[dict[str, Any
         {
             "method": m,
             "bandwidth": text,
+            "epochs": len(rs),
             "final_test_acc": rs[-1]["test_acc"],
             "best_test_acc": max(r["test_acc"] for r in rs),
             "train_time": sum(r["epoch_time"] for r in rs),

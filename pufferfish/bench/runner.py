@@ -33,7 +33,8 @@ Outputs in ``--out``: ``results.json`` (per-round records, rows, time to accurac
 (and ``time_to_accuracy.png`` / ``time_to_accuracy_projected.png``). ``--from-results``
 reuses an earlier run's measured step times instead of measuring again.
 
-``--train`` instead trains each method for the same epochs with ``pufferfish train``
+``--train`` instead trains each method for ``--epochs`` (``--method-epochs``: some for
+longer, an equal wall-clock budget) with ``pufferfish train``
 (the one training loop, launched in the namespaces) and plots test accuracy against
 wall-clock time, each method trained over each link for real
 (``train.md``, ``train_results.json``, ``train/<bandwidth>/{report.md,accuracy.png}``).
@@ -304,14 +305,15 @@ def _write_outputs(cfg: BenchConfig, result: dict[str, Any], log: Log) -> None:
 
 def _train_argv(cfg: BenchConfig, method: str, run_dir: Path) -> list[str]:
     factorized, hook = hook_for(method)
+    epochs = cfg.epochs_per_method()[method]
     argv = [
         sys.executable, "-m", "pufferfish", "train", "--model", cfg.model,
         "--width", str(cfg.width), "--data", "fashion-mnist",
         "--mode", "pufferfish" if factorized else "full", "--comm", hook,
-        "--epochs", str(cfg.epochs), "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr),
+        "--epochs", str(epochs), "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr),
         "--train-subset", str(cfg.train_subset), "--test-subset", str(cfg.test_subset),
         *_hook_flags(cfg), _channels_flag(cfg),
-        "--threads", str(cfg.worker_threads()), "--checkpoint-every-epochs", str(cfg.epochs),
+        "--threads", str(cfg.worker_threads()), "--checkpoint-every-epochs", str(epochs),
         "--no-progress", "--out", str(run_dir), "--overwrite",  # a previous bench's run
     ]  # fmt: skip
     if factorized:
