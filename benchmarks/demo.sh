@@ -55,6 +55,7 @@ echo "=== the verdict ($BW)"
 $PY - "$RUNS" <<'EOF'
 import sys
 from pathlib import Path
+from pufferfish.bench.accuracy import time_to_accuracy
 from pufferfish.training.report import summarize_run
 runs = Path(sys.argv[1])
 full, puff = summarize_run(str(runs / "ddp")), summarize_run(str(runs / "pufferfish"))
@@ -62,13 +63,9 @@ gap = 100 * (puff["final"] - full["final"])
 ratio = puff["total_time"] / full["total_time"]
 
 
-def reach(run, target):  # seconds of training until the run's test accuracy first reaches target
-    t = 0.0
-    for row in run["rows"]:
-        t += row["epoch_time"]
-        if row["test_acc"] >= target:
-            return f"{t:.0f} s"
-    return "never"
+def reach(run, target):  # training seconds until the run first reaches target
+    seconds = time_to_accuracy(run["rows"], target)
+    return "never" if seconds is None else f"{seconds:.0f} s"
 
 
 print(f"full-rank DDP: {100 * full['final']:.2f}% after {full['epochs']} epochs in "

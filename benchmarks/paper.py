@@ -306,8 +306,8 @@ def equal_budget(cache: Path, section: Section) -> None:
             section.ours += [
                 f"### {folder.name}: the same wall-clock budget over 100 Mbit/s (`make demo`)", "",
                 "DDP trains E epochs, Pufferfish the N that fit in the same time over an emulated "
-                "100 Mbit/s link (a low-rank step 172 ms against DDP's 298 ms, measured by the bench; "
-                "its first epoch is full-rank). Final test accuracy, Pufferfish minus DDP, in points:",
+                "100 Mbit/s link (its first epoch full-rank; the step times: docs/benchmarks.md, "
+                "\"The main job\"). Final test accuracy, Pufferfish minus DDP, in points:",
                 "", *markdown_table(["DDP epochs", "Pufferfish epochs", "gap", "mean"], rows), ""]
 
 

@@ -214,7 +214,7 @@ def test_time_to_accuracy(tmp_path: Path) -> None:
     (["--train", "--methods", "ddp,pufferfish", "--method-epochs", "pufferfish=x"],
      "--method-epochs entry 'pufferfish=x' is invalid: allowed METHOD=EPOCHS"),
     (["--train", "--methods", "ddp", "--method-epochs", "pufferfish=4"],
-     "--method-epochs names 'pufferfish', which is not in --methods (ddp)"),
+     "unknown method 'pufferfish' in --method-epochs: allowed the --methods (ddp)"),
     (["--train", "--methods", "ddp,pufferfish", "--epochs", "4", "--method-epochs",
       "pufferfish=1"], "warmup_epochs 1 is invalid with pufferfish's 1 epochs"),
     (["--methods", "ddp,pufferfish", "--method-epochs", "pufferfish=5"], "give --train too"),

@@ -33,7 +33,7 @@ from ..formatting import markdown_table
 from ..training.metrics import read_metrics
 from . import projection as proj
 from .netns import format_bps
-from .step import BENCH_METHODS, PUFFERFISH_RANK_RATIO, hook_for
+from .step import BENCH_METHODS, PUFFERFISH_RANK_RATIO, hook_for, parse_method_map
 
 __all__ = [
     "FASHION_MNIST_TRAIN",
@@ -85,20 +85,9 @@ class AccuracyRun:
 
 def parse_accuracy_runs(spec: str) -> dict[str, Path]:
     """``"ddp=runs/a,pufferfish=runs/b"`` -> ``{method: run directory}`` (``ValueError``)."""
-    runs: dict[str, Path] = {}
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
-        method, sep, path = (x.strip() for x in item.partition("="))
-        if not sep or not method or not path:
-            raise ValueError(f"--accuracy-runs entry {item!r} is invalid: allowed METHOD=RUN_DIR, "
-                             "e.g. ddp=runs/full,pufferfish=runs/pufferfish")
-        if method not in BENCH_METHODS:
-            raise ValueError(f"unknown method {method!r} in --accuracy-runs: allowed "
-                             + ", ".join(BENCH_METHODS))
-        if method in runs:
-            raise ValueError(f"--accuracy-runs names method {method!r} twice")
-        runs[method] = Path(path)
+    runs = {m: Path(d) for m, d in parse_method_map(
+        spec, "--accuracy-runs", "METHOD=RUN_DIR, e.g. ddp=runs/full,pufferfish=runs/pufferfish",
+        BENCH_METHODS, ", ".join(BENCH_METHODS)).items()}
     if "ddp" not in runs:
         raise ValueError(f"--accuracy-runs {spec!r} has no ddp run: the target is full-rank "
                          "DDP's final accuracy")

@@ -16,7 +16,7 @@ from ..distributed.hooks import with_option_fields
 from . import accuracy as acc
 from . import projection as proj
 from .netns import parse_bandwidth
-from .step import BENCH_METHODS, HOOK_DEFAULTS, HOOK_OPTIONS, hook_for
+from .step import BENCH_METHODS, HOOK_DEFAULTS, HOOK_OPTIONS, hook_for, parse_method_map
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -174,20 +174,13 @@ class BenchConfig:
         """``--train``'s epochs for each of ``methods``: ``--method-epochs`` over ``--epochs``
         (``ValueError`` naming a bad entry)."""
         epochs = dict.fromkeys(self.methods, self.epochs)
-        named: set[str] = set()
-        for item in (s.strip() for s in self.method_epochs.split(",")):
-            if not item:
-                continue
-            method, _, count = (x.strip() for x in item.partition("="))
+        form = "METHOD=EPOCHS with EPOCHS >= 1, e.g. pufferfish=5"
+        named = parse_method_map(self.method_epochs, "--method-epochs", form, self.methods,
+                                 f"the --methods ({','.join(self.methods)})")
+        for method, count in named.items():
             if not count.isdigit() or int(count) < 1:
-                raise ValueError(f"--method-epochs entry {item!r} is invalid: allowed "
-                                 "METHOD=EPOCHS with EPOCHS >= 1, e.g. pufferfish=5")
-            if method not in self.methods:
-                raise ValueError(f"--method-epochs names {method!r}, which is not in --methods "
-                                 f"({','.join(self.methods)})")
-            if method in named:
-                raise ValueError(f"--method-epochs names method {method!r} twice")
-            named.add(method)
+                raise ValueError(f"--method-epochs entry '{method}={count}' is invalid: allowed "
+                                 + form)
             epochs[method] = int(count)
         if named and not self.train:
             raise ValueError("--method-epochs sets how long --train trains: give --train too")

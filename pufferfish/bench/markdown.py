@@ -178,6 +178,6 @@ def train_markdown(cfg: BenchConfig, runs: list[dict[str, Any]],
 
 def _train_cells(r: dict[str, Any]) -> list[str]:
     reach = "-" if r["time_to_target"] is None else f"{r['time_to_target']:.1f}"
-    return [r["bandwidth"], r["method"], str(r.get("epochs", "-")), f"{100 * r['final_test_acc']:.2f}%",
+    return [r["bandwidth"], r["method"], str(r["epochs"]), f"{100 * r['final_test_acc']:.2f}%",
             f"{100 * r['best_test_acc']:.2f}%", f"{r['train_time']:.1f}",
             f"{100 * r['target_acc']:.2f}%", reach]

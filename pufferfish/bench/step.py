@@ -71,7 +71,7 @@ from ..models import build_at_width
 from ..training.step import Replica, train_step
 
 __all__ = ["BENCH_METHODS", "HOOK_DEFAULTS", "HOOK_OPTIONS", "PUFFERFISH_RANK_RATIO", "hook_for",
-           "main", "method_options"]
+           "main", "method_options", "parse_method_map"]
 
 # method -> (factorize the model?, comm hook): plain DDP, every registered comm hook, Pufferfish
 # with plain all-reduce and with each hook (the two compose: a smaller model, then fewer bytes
@@ -104,6 +104,27 @@ def hook_for(method: str) -> tuple[bool, str]:
     except KeyError:
         raise ValueError(
             f"unknown method {method!r}: allowed {', '.join(BENCH_METHODS)}") from None
+
+
+def parse_method_map(spec: str, flag: str, form: str, allowed: Sequence[str],
+                     described: str) -> dict[str, str]:
+    """``"ddp=a,pufferfish=b"`` -> ``{method: value}`` for a flag that takes one value per method.
+
+    ``ValueError`` names the bad entry: not ``form`` (e.g. ``METHOD=RUN_DIR``), a method outside
+    ``allowed`` (``described`` says which those are), or a method named twice."""
+    found: dict[str, str] = {}
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        method, sep, value = (x.strip() for x in item.partition("="))
+        if not sep or not method or not value:
+            raise ValueError(f"{flag} entry {item!r} is invalid: allowed {form}")
+        if method not in allowed:
+            raise ValueError(f"unknown method {method!r} in {flag}: allowed {described}")
+        if method in found:
+            raise ValueError(f"{flag} names method {method!r} twice")
+        found[method] = value
+    return found
 
 
 def method_options(hook: str, args: argparse.Namespace) -> dict[str, Any]:
