@@ -283,3 +283,25 @@ def test_full_rank_method_with_low_rank_epochs_is_refused(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="low-rank epochs but ddp is full-rank"):
         acc.load_accuracy_runs(f"ddp={run}", model="resnet18", width=0.25, batch_size=64,
                                powersgd_rank=4)
+
+
+def test_runs_too_small_for_an_epoch_are_refused_naming_the_flag(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 2,000 examples: 15 steps per epoch on the bench's 2 workers, none at the projection's 64
+    # (2000 // 64 < 64): an epoch of no steps takes no time, which was a ZeroDivisionError.
+    saved = _bench_results(tmp_path / "saved.json")
+    runs = {m: _train_run(tmp_path / m, DDP_ROWS, train_subset=n) for m, n in
+            (("ddp", 2000), ("tiny", 100))}
+    rc = main(["bench", "--from-results", str(saved), "--accuracy-runs", f"ddp={runs['ddp']}",
+               "--compute-ms", "12", "--out", str(tmp_path / "a")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "--compute-ms" in err and "2000 training examples" in err and ">= 4096" in err
+    rc = main(["bench", "--from-results", str(saved), "--accuracy-runs", f"ddp={runs['tiny']}",
+               "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "--accuracy-runs" in err and ">= 128 examples" in err
+    # Without the projection, 2,000 examples are enough.
+    rc = main(["bench", "--from-results", str(saved), "--accuracy-runs", f"ddp={runs['ddp']}",
+               "--out", str(tmp_path / "c")])
+    assert rc == 0, capsys.readouterr().err

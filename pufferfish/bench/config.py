@@ -163,6 +163,17 @@ class BenchConfig:
         if missing:
             raise ValueError(f"--accuracy-runs {','.join(runs)} needs the step times of "
                              f"{', '.join(missing)}: add them to --methods")
+        # An epoch of no full batch takes no time: its curve would divide by zero.
+        counts = [self.workers]
+        counts += list(acc.PROJECTED_WORKERS) if self.compute_ms is not None else []
+        for run in runs.values():
+            for p in counts:
+                if acc.steps_per_epoch(run.train_examples, run.batch_size, p) < 1:
+                    flag = "--accuracy-runs" if p == counts[0] else "--compute-ms"
+                    raise ValueError(
+                        f"{flag}: run {run.path} has {run.train_examples} training examples, "
+                        f"no full batch of {run.batch_size} for each of {p} workers: allowed "
+                        f"runs of >= {run.batch_size * p} examples (train_subset)")
 
     def load_accuracy_runs(self) -> dict[str, acc.AccuracyRun]:
         return acc.load_accuracy_runs(self.accuracy_runs, model=self.model, width=self.width,
