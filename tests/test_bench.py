@@ -218,6 +218,9 @@ def test_time_to_accuracy(tmp_path: Path) -> None:
     (["--train", "--methods", "ddp,pufferfish", "--epochs", "4", "--method-epochs",
       "pufferfish=1"], "warmup_epochs 1 is invalid with pufferfish's 1 epochs"),
     (["--methods", "ddp,pufferfish", "--method-epochs", "pufferfish=5"], "give --train too"),
+    (["--train", "--test-subset", "20000"], "--test-subset 20000 is invalid: allowed 0 (all) to 10000"),
+    (["--train", "--train-subset", "100000"], "--train-subset 100000 is invalid: allowed 0 (all) "
+     "to 60000"),
     (["--train", "--train-config", "/nonexistent.toml"],
      "--train-config: config file '/nonexistent.toml' does not exist"),
 ])

@@ -226,6 +226,8 @@ def _write_idx(path: Path, magic: int, dims: list[int], payload: bytes) -> None:
     (["--warmup-epochs", "auto", "--switch-window", "0"], "switch_window 0.0 is invalid"),
     (["--warmup-epochs", "auto", "--switch-threshold", "-1"], "switch_threshold -1.0 is invalid"),
     (["--stable-rank-every-steps", "-2"], "stable_rank_every_steps -2 is invalid"),
+    (["--train-subset", "100000"], "train_subset 100000 is invalid: allowed 0 (all) to 60000"),
+    (["--test-subset", "20000"], "test_subset 20000 is invalid: allowed 0 (all) to 10000"),
     # one process has no all-reduce: the hook would silently do nothing
     (["--comm", "powersgd"], "comm 'powersgd' is invalid without a process group"),
 ])

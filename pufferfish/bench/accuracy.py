@@ -36,6 +36,7 @@ from .netns import format_bps
 from .step import BENCH_METHODS, PUFFERFISH_RANK_RATIO, hook_for, parse_method_map
 
 __all__ = [
+    "FASHION_MNIST_TEST",
     "FASHION_MNIST_TRAIN",
     "PROJECTED_WORKERS",
     "TARGET_POINTS",
@@ -58,6 +59,7 @@ __all__ = [
 TARGET_POINTS: tuple[float, ...] = (0.5, 1.0)  # below full-rank DDP's final accuracy
 PROJECTED_WORKERS: tuple[int, ...] = (8, 64)
 FASHION_MNIST_TRAIN = 60_000  # training images; the bench measures Fashion-MNIST batches
+FASHION_MNIST_TEST = 10_000
 
 
 # -- accuracy runs ------------------------------------------------------------------------------

@@ -118,6 +118,11 @@ class BenchConfig:
         for name in ("threads", "train_subset", "test_subset", "warmup_epochs", "alpha", "timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
+        for name, n in (("train_subset", acc.FASHION_MNIST_TRAIN),
+                        ("test_subset", acc.FASHION_MNIST_TEST)):
+            if getattr(self, name) > n:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: "
+                                 f"allowed 0 (all) to {n} (Fashion-MNIST)")
         if self.lr <= 0:
             raise ValueError(f"lr {self.lr!r} is invalid: allowed > 0")
         epochs = self.epochs_per_method()

@@ -53,6 +53,14 @@ def build_task(cfg: TrainConfig, env: DistEnv) -> Task:
     return LanguageTask(cfg, env) if cfg.is_lm else ImageTask(cfg, env)
 
 
+def check_subsets(cfg: TrainConfig, n_train: int, n_test: int, unit: str) -> None:
+    """``train_subset``/``test_subset`` within the data (``DataError`` naming the key)."""
+    for name, n, split in (("train_subset", n_train, "training"), ("test_subset", n_test, "test")):
+        if getattr(cfg, name) > n:
+            raise datasets.DataError(f"{name} {getattr(cfg, name)} is invalid: allowed 0 (all) to "
+                                     f"{n} (the {split} {unit} of {cfg.data})")
+
+
 class ImageTask:
     def __init__(self, cfg: TrainConfig, env: DistEnv) -> None:
         if cfg.data in ("kjv",) or cfg.data.endswith(".txt"):
@@ -61,10 +69,11 @@ class ImageTask:
         ds = datasets.load_dataset(cfg.data, cfg.data_dir or None)
         assert isinstance(ds, datasets.ImageDataset)
         self.ds, self.cfg = ds, cfg
+        check_subsets(cfg, len(ds.train_labels), len(ds.test_labels), "images")
         self.train_loader = ds.loader("train", cfg.batch_size, seed=cfg.seed, rank=env.rank,
                                       world_size=env.world_size, subset=cfg.train_subset or None,
                                       drop_last=True, device=env.device)
-        n_test = min(cfg.test_subset or len(ds.test_labels), len(ds.test_labels))
+        n_test = cfg.test_subset or len(ds.test_labels)
         # Every rank takes test examples rank, rank + world, ...: no example dropped or repeated.
         self.test_images = ds.test_images[:n_test][env.rank::env.world_size]
         self.test_labels = ds.test_labels[:n_test][env.rank::env.world_size]
@@ -126,6 +135,7 @@ class LanguageTask:
             raise datasets.DataError(f"data {cfg.data!r} is an image dataset: model "
                                      f"{cfg.model!r} needs kjv or a text file")
         self.cfg, self.corpus, self.env = cfg, corpus, env
+        check_subsets(cfg, len(corpus.train), len(corpus.test), "tokens")
         train = corpus.train[:cfg.train_subset] if cfg.train_subset else corpus.train
         test = corpus.test[:cfg.test_subset] if cfg.test_subset else corpus.test
         self.vocab_size = corpus.ntokens
