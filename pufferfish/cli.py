@@ -143,6 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="compare run directories side by side")
     report.add_argument("runs", nargs="+", help="run directories")
     report.add_argument("--out", default=None, help="write report.md and plots here")
+    report.add_argument("--overwrite", action="store_true",
+                        help="replace report files in --out that another command wrote")
     report.add_argument("--debug", action="store_true")
     report.set_defaults(run=_cmd_report)
 
@@ -249,7 +251,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    print(compare_runs(args.runs, args.out))
+    print(compare_runs(args.runs, args.out, overwrite=args.overwrite))
     return 0
 
 

@@ -46,11 +46,12 @@ from ..config import ConfigError, TrainConfig, dump_toml
 from ..formatting import markdown_table
 from ..lowrank import factorize
 from ..lowrank.factorize import count_params
+from ..outputs import claim_outputs
 from ..training import checkpoint as ckpt
 from ..training.loop import train
 from ..training.methods import build_method
 from ..training.metrics import read_metrics
-from ..training.report import compare_runs
+from ..training.report import REPORT_FILES, compare_runs
 
 __all__ = ["COMPARED_MODES", "compare", "measure_latency", "pufferfish_params", "ratio_for_params"]
 
@@ -171,7 +172,10 @@ def compare(base: TrainConfig, out: str | Path, methods: tuple[str, ...] = COMPA
         raise ConfigError(f"methods {','.join(methods)!r} is invalid: allowed a subset of "
                           f"{','.join(COMPARED_MODES)}")
     out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # Its own files (the runs' directories follow `train`'s rule); report.md is compare's here.
+    logs = [f"{m}.log" for m in (*methods, *(["pufferfish-matched"] if matched else []))]
+    claim_outputs(out_dir, "compare", ["compare.md", "compare.json", "tradeoff.png",
+                                       *REPORT_FILES, *logs], base.overwrite)
     model, example = build_model(base)
     target = pufferfish_params(base, model, example)
     dense = count_params(model)
@@ -229,7 +233,7 @@ def compare(base: TrainConfig, out: str | Path, methods: tuple[str, ...] = COMPA
     (out_dir / "compare.json").write_text(json.dumps(results, indent=1, default=float))
     _plot(results, out_dir / "tradeoff.png", latency)
 
-    compare_runs([cfg.out for _, cfg in runs], str(out_dir))
+    compare_runs([cfg.out for _, cfg in runs], str(out_dir), command="compare")
     return table + f"\n\nwritten: {out_dir / 'compare.md'}, {out_dir / 'tradeoff.png'}, " \
                    f"{out_dir / 'report.md'}"
 

@@ -57,6 +57,7 @@ class BenchConfig:
     channels_last: bool = True  # conv weights NHWC, as `pufferfish train` has them by default
     timeout: float = 0.0  # 0: STEP_TIMEOUT per step group, no limit per training run
     out: str = "runs/bench"
+    overwrite: bool = False  # replace files in --out that another command wrote
     # time to accuracy from existing runs' accuracy and the measured (or reused) step times
     accuracy_runs: str = ""
     accuracy_processes: int = 0  # processes the accuracy runs trained on (0: --workers)
@@ -251,6 +252,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="interleaved rounds: every (link, method) once per round, the order "
                          "rotating; rows give the median and min-max over rounds")
     ap.add_argument("--out", default=d.out, help="output directory")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace files in --out that another command (or you) wrote there")
     ap.add_argument("--accuracy-runs", default=d.accuracy_runs, metavar="METHOD=DIR,...",
                     help="`pufferfish train` runs whose per-epoch accuracy, timed with the "
                          "measured step times, gives accuracy against wall-clock per link, "
@@ -298,7 +301,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         threads=args.threads,
         data_dir=args.data_dir, alpha=args.alpha_us * 1e-6, probe=args.probe,
         channels_last=args.channels_last,
-        timeout=args.timeout, out=args.out, train=args.train, epochs=args.epochs,
+        timeout=args.timeout, out=args.out, overwrite=args.overwrite, train=args.train,
+        epochs=args.epochs,
         method_epochs=args.method_epochs,
         warmup_epochs=args.warmup_epochs, train_subset=args.train_subset,
         test_subset=args.test_subset, lr=args.lr, train_config=args.train_config,

@@ -60,6 +60,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ..outputs import claim_outputs
 from ..training.metrics import read_metrics
 from ..training.report import compare_runs
 from . import accuracy as acc
@@ -100,6 +101,10 @@ __all__ = [
     "time_to_accuracy",
 ]
 
+# What a bench writes into --out (claimed before it starts: pufferfish.outputs).
+BENCH_FILES = ("results.json", "results.md", "projection.json", "step_time.png", "projection.png",
+               "time_to_accuracy.png", "time_to_accuracy_projected.png")
+TRAIN_FILES = ("train", "train_results.json", "train.md")  # --train: runs in train/<link>/<method>
 PROBE_BYTES = 16_000_000  # large enough for steady-state throughput, a few s at 100mbit
 NO_TIMEOUT = 10.0 * 365 * 86400
 
@@ -191,6 +196,7 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
     link and method, ``rows`` their summary per link and method.
     """
     cfg.validate()
+    claim_outputs(cfg.out, "bench", BENCH_FILES, cfg.overwrite)
     if cfg.from_results:
         saved = load_results(cfg.from_results)
         log(f"step times from {results_path(cfg.from_results)} (measured, not re-run)")
@@ -337,7 +343,7 @@ def run_train(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
 
     cfg.validate()
     root = Path(cfg.out)
-    root.mkdir(parents=True, exist_ok=True)
+    claim_outputs(root, "bench", TRAIN_FILES, cfg.overwrite)
     skipped: list[dict[str, str]] = []
     failures: list[dict[str, str]] = []
     summary: list[dict[str, Any]] = []
@@ -356,7 +362,8 @@ def run_train(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
                     failures.append(_fail(method, text, err, log))
         if done:
             summary += train_summary(text, done)
-            log(compare_runs([str(d) for _, d in done], str(root / "train" / text)))
+            log(compare_runs([str(d) for _, d in done], str(root / "train" / text),
+                             command="bench"))
     (root / "train_results.json").write_text(
         json.dumps({"runs": summary, "skipped": skipped, "failures": failures}, indent=1))
     (root / "train.md").write_text(train_markdown(cfg, summary, skipped, failures))

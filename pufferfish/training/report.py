@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formatting import markdown_table
+from ..outputs import claim_outputs
 from .metrics import read_metrics
 
 __all__ = ["compare_runs", "summarize_run"]
@@ -19,9 +20,16 @@ __all__ = ["compare_runs", "summarize_run"]
 def summarize_run(run_dir: str | Path) -> dict[str, Any]:
     """The figures a comparison needs from one run directory."""
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist: allowed the "
+                                "--out directory of a `pufferfish train` run")
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"run directory {str(run_dir)!r} has no metrics.jsonl: not a "
+                                "`pufferfish train` run directory")
     rows = read_metrics(run_dir)
     if not rows:
-        raise FileNotFoundError(f"run directory {str(run_dir)!r} has no metrics.jsonl rows")
+        raise FileNotFoundError(f"run directory {str(run_dir)!r} has no finished epoch yet "
+                                "(metrics.jsonl is empty)")
     cfg_path = run_dir / "config.toml"
     cfg = tomllib.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     last = rows[-1]
@@ -59,9 +67,16 @@ def _stable_rank_history(run_dir: Path) -> dict[str, list[list[float]]] | None:
     return (decisions.get("stable_ranks") or {}).get("history")
 
 
-def compare_runs(run_dirs: list[str], out: str | None = None) -> str:
-    """A Markdown table of the runs; with ``out``, also ``report.md`` and PNG plots there."""
+REPORT_FILES = ("report.md", "accuracy.png", "stable_ranks.png")
+
+
+def compare_runs(run_dirs: list[str], out: str | None = None, *, overwrite: bool = False,
+                 command: str = "report") -> str:
+    """A Markdown table of the runs; with ``out``, also ``report.md`` and PNG plots there
+    (refused if they would replace files that ``command`` did not write, unless ``overwrite``)."""
     runs = [summarize_run(d) for d in run_dirs]
+    if out:
+        claim_outputs(out, command, REPORT_FILES, overwrite)
     lm = runs[0]["quality_key"] == "test_ppl"
     base = runs[0]
     head = ["run", "mode", "comm", "epochs", "final test ppl" if lm else "final test acc",
