@@ -7,9 +7,13 @@ one-line ``pufferfish: error: ...`` on stderr and exit status 2; ``--debug`` sho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
+import json
+import os
 import re
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -47,8 +51,29 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        print(f"pufferfish: error: {_with_suggestion(self, message)}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+        sys.exit(_fail(_with_suggestion(self, message), EXIT_USAGE))
+
+
+def _fail(message: str, status: int) -> int:
+    """Say ``pufferfish: error: message`` in one line; return ``status``.
+
+    Under torchrun every rank fails alike, and torchrun ends with its own traceback and a
+    summary of the failed ranks. So rank 0 prints the line, and every rank also writes it to its
+    torchelastic error file, which makes it the summary's "Root Cause" (the last lines the user
+    sees) instead of "To enable traceback see: ...". No rank's message is lost: the summary lists
+    each failed rank's.
+    """
+    line = f"pufferfish: error: {message}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        data = {"message": {"message": line, "extraInfo": {
+            "py_callstack": line, "timestamp": str(int(time.time()))}}}
+        with contextlib.suppress(OSError):
+            Path(error_file).parent.mkdir(parents=True, exist_ok=True)
+            Path(error_file).write_text(json.dumps(data))
+    if not error_file or os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    return status
 
 
 def _with_suggestion(parser: argparse.ArgumentParser, message: str) -> str:
@@ -93,12 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
 
         if isinstance(e, PeerError):
-            print(f"pufferfish: error: {one_line(e)}", file=sys.stderr)
-            return EXIT_FAILURE
+            return _fail(one_line(e), EXIT_FAILURE)
         if not _is_user_error(e):
             raise
-        print(f"pufferfish: error: {one_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(one_line(e), EXIT_USAGE)
 
 
 def _is_user_error(e: Exception) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
+import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ from .modes import mode_names
 
 __all__ = ["ConfigError", "TrainConfig", "dump_toml", "load_config"]
 
+WARMUP_ALLOWED = "an integer >= 0, a percentage of the epochs such as '20%', or 'auto'"
 SCHEDULES = ("multistep", "cosine", "constant")
 NONFINITE = ("stop", "skip")
 SWITCH_MOMENTUM = ("reset", "project")
@@ -49,7 +52,7 @@ class TrainConfig:
     test_subset: int = 0  # use only the first N test examples (0: all)
     # The method
     mode: str = "pufferfish"  # full, pufferfish (warm-up then factorize), lowrank (from step 0)
-    warmup_epochs: str = "2"  # full-rank epochs before the switch, or "auto"
+    warmup_epochs: str = "20%"  # full-rank epochs before the switch: N, P% of the epochs, or auto
     min_warmup_epochs: int = 1  # warmup_epochs auto: never switch before this epoch
     max_warmup_epochs: int = 0  # warmup_epochs auto: switch here at the latest (0: the rule below)
     switch_threshold: float = 0.05  # warmup_epochs auto: "settled" = stable ranks move less per epoch
@@ -97,7 +100,7 @@ class TrainConfig:
     # ... then one field per comm-hook option (see HOOK_OPTIONS)
     timeout_s: float = 300.0  # process-group timeout: a vanished peer is an error after this
     # Run directory and checkpoints
-    out: str = ""  # run directory (empty: runs/<model>-<mode>)
+    out: str = ""  # run directory (empty: a fresh runs/<model>-<mode>-<date-time> per run)
     resume: str = ""  # run directory to continue, or "auto": continue --out if it has a checkpoint
     overwrite: bool = False  # a new run may replace the earlier run in --out (its files only)
     checkpoint_every_epochs: int = 1  # 0: only after the last epoch
@@ -143,8 +146,13 @@ class TrainConfig:
                 option.check(getattr(self, option.key))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        if self.warmup_epochs != "auto":
-            w = _int("warmup_epochs", self.warmup_epochs, "an integer >= 0 or 'auto'")
+        if self.warmup_epochs.endswith("%"):
+            pct = _float("warmup_epochs", self.warmup_epochs[:-1], WARMUP_ALLOWED)
+            if not 0 <= pct < 100:
+                raise ConfigError(f"warmup_epochs {self.warmup_epochs!r} is invalid: allowed "
+                                  "0% <= P% < 100%")
+        elif self.warmup_epochs != "auto":
+            w = _int("warmup_epochs", self.warmup_epochs, WARMUP_ALLOWED)
             if self.mode == "pufferfish" and not 0 <= w < self.epochs:
                 raise ConfigError(f"warmup_epochs {w} is invalid with epochs {self.epochs}: "
                                   f"allowed 0 <= warmup_epochs < epochs, or 'auto'")
@@ -194,7 +202,14 @@ class TrainConfig:
     # -- derived values ------------------------------------------------------------------
     @property
     def switch_epoch(self) -> int | str:
-        """``warmup_epochs`` parsed: the epoch the switch happens before, or ``"auto"``."""
+        """``warmup_epochs`` parsed: the epoch the switch happens before, or ``"auto"``.
+
+        ``P%`` is that share of the epochs rounded up, and always before the last epoch: the
+        default 20% is the old default of 2 in a 10-epoch run, 1 in a 2-epoch run, and 0 (low
+        rank from the start) in a 1-epoch try."""
+        if self.warmup_epochs.endswith("%"):
+            share = float(self.warmup_epochs[:-1]) / 100 * self.epochs
+            return min(math.ceil(share - 1e-9), self.epochs - 1)
         return "auto" if self.warmup_epochs == "auto" else int(self.warmup_epochs)
 
     @property
@@ -236,7 +251,23 @@ class TrainConfig:
         return self.model in ("lstm", "transformer")
 
     def run_dir(self) -> Path:
-        return Path(self.out or f"runs/{self.model}-{self.mode}")
+        """``out``, or a fresh directory for this run, so that two runs never share one:
+        ``runs/<model>-<mode>-<date>-<time>``, or under torchrun ``...-<its run id>``, the same
+        for every rank and every restart of the launch (so a restart resumes it)."""
+        if self.out:
+            return Path(self.out)
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        if run_id != "none":
+            return Path(f"runs/{self.model}-{self.mode}-{run_id.split('-')[0]}")
+        if self.resume == "auto":
+            raise ConfigError("resume 'auto' continues the run in --out: allowed with --out "
+                              "(without it every run gets a fresh directory)")
+        base = f"runs/{self.model}-{self.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+        path, n = Path(base), 1
+        while path.exists():
+            n += 1
+            path = Path(f"{base}-{n}")
+        return path
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -29,14 +29,15 @@ TINY = ["--model", "resnet18", "--width", "0.125", "--train-subset", "256", "--t
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, torchrun: int = 0,
-            timeout: float = 240) -> subprocess.CompletedProcess:
+            timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
                "--master-port", str(free_port()), "-m", "pufferfish", *args]
     else:
         cmd = [sys.executable, "-m", "pufferfish", *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
+                          cwd=cwd)
 
 
 def free_port() -> int:

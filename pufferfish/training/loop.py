@@ -141,6 +141,13 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     # First collective of the run, before anything whose collectives depend on the configuration
     # (the download barrier, DDP): mismatched configurations fail here, by name, on every rank.
     startup.check_config_agrees(cfg, env)
+    if not cfg.out:  # a fresh directory: rank 0's name (clocks can tick between ranks)
+        run_dir = Path(dist_env.broadcast_object(str(run_dir), env))
+        cfg = dataclasses.replace(cfg, out=str(run_dir))
+        dist_env.say(env, f"run directory: {run_dir} (--out to choose it)")
+    if cfg.mode == "pufferfish" and cfg.warmup_epochs.endswith("%"):
+        dist_env.say(env, f"warm-up: {cfg.warmup_epochs} of {cfg.epochs} epochs = "
+                          f"{cfg.switch_epoch} full-rank epochs before the switch")
     # Before anything is written or loaded: rank 0 decides what happens to the run directory
     # (resume, start, or refuse) and every rank learns it.
     resumed = startup.find_resume_point(cfg, env, run_dir, (*tasks.RUN_FIELDS, *method.run_fields))
