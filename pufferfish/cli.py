@@ -24,7 +24,7 @@ from . import factorize, models
 from .baselines.compare import compare
 from .bench.runner import add_arguments as add_bench_arguments
 from .bench.runner import run_from_args
-from .config import FIELDS, ConfigError, field_kind, load_config
+from .config import FIELDS, ConfigError, choices, field_description, field_kind, load_config
 from .data import DataError
 from .formatting import one_line
 from .training.checkpoint import CheckpointError
@@ -48,6 +48,7 @@ class _Parser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
@@ -145,30 +146,37 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model (one process, or under torchrun: DDP)",
                            description="Every option is also a key of the --config TOML file; "
                                        "flags override the file.")
-    train.add_argument("--config", help="TOML file of training options")
+    train.add_argument("--config", help="TOML file of training options; flags override it")
     train.add_argument("--debug", action="store_true", help="show tracebacks")
     _config_flags(train, skip=())
     train.set_defaults(run=_cmd_train)
 
     fact = sub.add_parser("factorize", help="factorize a paper model and print the report")
     fact.add_argument("--model", nargs="+", default=["resnet18", "vgg19_bn"],
-                      help="resnet18, vgg19_bn, lstm, transformer")
-    fact.add_argument("--width", type=float, default=1.0)
-    fact.add_argument("--rank-ratio", type=float, default=0.25)
-    fact.add_argument("--preset", default="paper", help="the model's preset, or 'none'")
+                      metavar="{" + ",".join(choices()["model"]) + "}",
+                      help="one or more of the paper's models")
+    fact.add_argument("--width", type=float, default=1.0,
+                      help="channel multiplier (images) / size multiplier (language models)")
+    fact.add_argument("--rank-ratio", type=float, default=0.25,
+                      help="rank as a fraction of each layer's full rank, in (0, 1]")
+    fact.add_argument("--preset", default="paper",
+                      help="the model's preset of layers kept full-rank, or 'none'")
     fact.add_argument("--image-size", type=int, default=32, help="32: CIFAR-10, 28: Fashion-MNIST")
-    fact.add_argument("--in-channels", type=int, default=3)
-    fact.add_argument("--num-classes", type=int, default=10)
-    fact.add_argument("--vocab-size", type=int, default=33278, help="for the language models")
-    fact.add_argument("--debug", action="store_true")
+    fact.add_argument("--in-channels", type=int, default=3,
+                      help="image channels: 3 for CIFAR-10, 1 for Fashion-MNIST")
+    fact.add_argument("--num-classes", type=int, default=10, help="outputs of the image models")
+    fact.add_argument("--vocab-size", type=int, default=33278,
+                      help="vocabulary of the language models")
+    fact.add_argument("--debug", action="store_true", help="show tracebacks")
     fact.set_defaults(run=_cmd_factorize)
 
     report = sub.add_parser("report", help="compare run directories side by side")
-    report.add_argument("runs", nargs="+", help="run directories")
-    report.add_argument("--out", default=None, help="write report.md and plots here")
+    report.add_argument("runs", nargs="+", help="run directories (the --out of `train`)")
+    report.add_argument("--out", default=None,
+                        help="write report.md and plots here (none: print the table only)")
     report.add_argument("--overwrite", action="store_true",
                         help="replace report files in --out that another command wrote")
-    report.add_argument("--debug", action="store_true")
+    report.add_argument("--debug", action="store_true", help="show tracebacks")
     report.set_defaults(run=_cmd_report)
 
     compare = sub.add_parser(
@@ -176,7 +184,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Trains each method on the same data and schedule (one run directory each "
                     "under --out, resumed if run again), then writes compare.md, compare.json, "
                     "tradeoff.png and report.md there. Training options as for `train`.")
-    compare.add_argument("--config", help="TOML file of training options")
+    compare.add_argument("--config", help="TOML file of training options; flags override it")
     compare.add_argument("--out", default=None, help="directory of the runs and the report "
                                                      "(default: runs/compare-<model>)")
     compare.add_argument("--methods", default="full,pufferfish,lth,prune",
@@ -204,22 +212,54 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...]) -> None:
-    """A ``--flag`` for every TrainConfig field (as ``train`` has), except those in ``skip``."""
+    """A ``--flag`` for every TrainConfig field (as ``train`` has), except those in ``skip``.
+
+    Its help is the field's one line in TrainConfig (``name: type = default  # help``), its
+    allowed names (or type) and its default: nothing to write here for a new field.
+    """
+    named = choices()
     for name, f in FIELDS.items():
         if name in skip:
             continue
         kind = field_kind(name)
         flag = "--" + name.replace("_", "-")
+        text = field_description(name).replace("%", "%%")  # argparse %-formats help
         if kind is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                                default=None, help=f"(default: {f.default})")
+                                default=None, help=f"{text} (default: {_on_off(f.default)})")
         elif kind is list:  # a list default comes from a factory; shown as it would be typed
             default = f.default_factory()  # type: ignore[misc]
             parser.add_argument(flag, dest=name, default=None, metavar="LIST",
-                                help=f"comma-separated (default: '{','.join(map(str, default))}')")
+                                help=f"{text}; comma-separated (default: "
+                                     f"'{','.join(map(str, default))}')".replace("%", "%%"))
         else:
-            parser.add_argument(flag, dest=name, default=None, metavar=kind.__name__.upper(),
-                                help=f"(default: {f.default!r})")
+            metavar = "{" + ",".join(named[name]) + "}" if name in named else kind.__name__.upper()
+            shown = repr(f.default).replace("%", "%%")
+            parser.add_argument(flag, dest=name, default=None, metavar=metavar,
+                                help=f"{text} (default: {shown})")
+
+
+def _on_off(value: object) -> str:
+    return "on" if value else "off"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default (unless it already says it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not action.option_strings or "(default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction) or \
+                isinstance(action.default, bool):
+            return f"{text} (default: {_on_off(action.default)})"
+        if isinstance(action, argparse._StoreFalseAction):
+            return f"{text} (default: off)"
+        shown = " ".join(map(str, action.default)) if isinstance(action.default, list) \
+            else action.default
+        shown = "none" if shown is None else repr(shown) if shown == "" else \
+            str(shown).replace("%", "%%")
+        return f"{text} (default: {shown})"
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any, get_args, get_origin
 
 from .distributed.hooks import all_hook_options, hook_names, with_option_fields
+from .fieldhelp import field_help
 from .models import MODELS
 from .modes import mode_names
 
-__all__ = ["ConfigError", "TrainConfig", "dump_toml", "load_config"]
+__all__ = ["ConfigError", "TrainConfig", "choices", "dump_toml", "load_config"]
 
 WARMUP_ALLOWED = "an integer >= 0, a percentage of the epochs such as '20%', or 'auto'"
 SCHEDULES = ("multistep", "cosine", "constant")
@@ -43,18 +44,18 @@ class ConfigError(ValueError):
 @with_option_fields(after="comm", options=HOOK_OPTIONS)
 class TrainConfig:
     # What to train
-    model: str = "resnet18"  # resnet18, vgg19_bn, lstm, transformer
+    model: str = "resnet18"  # the network: the paper's models (docs/models.md)
     width: float = 1.0  # channel multiplier (images) / size multiplier of the paper's dims (LMs)
     data: str = "fashion-mnist"  # fashion-mnist, cifar10, kjv, or a path to a UTF-8 text file
-    data_dir: str = ""  # empty: the dataset's default directory
+    data_dir: str = ""  # directory of the dataset's files (empty: the dataset's default)
     download: bool = False  # fetch missing dataset files from their official URLs
     train_subset: int = 0  # use only the first N training examples (0: all)
     test_subset: int = 0  # use only the first N test examples (0: all)
     # The method
-    mode: str = "pufferfish"  # full, pufferfish (warm-up then factorize), lowrank (from step 0)
+    mode: str = "pufferfish"  # full, pufferfish (warm-up, then factorize), lowrank (from step 0), lth, prune
     warmup_epochs: str = "20%"  # full-rank epochs before the switch: N, P% of the epochs, or auto
     min_warmup_epochs: int = 1  # warmup_epochs auto: never switch before this epoch
-    max_warmup_epochs: int = 0  # warmup_epochs auto: switch here at the latest (0: the rule below)
+    max_warmup_epochs: int = 0  # warmup_epochs auto: switch here at the latest (0: a tenth of the run, >= 150 steps)
     switch_threshold: float = 0.05  # warmup_epochs auto: "settled" = stable ranks move less per epoch
     switch_window: float = 1.0  # warmup_epochs auto: epochs over which that change is averaged
     stable_rank_every_steps: int = 0  # warmup_epochs auto: observe every N steps (0: 4 per epoch)
@@ -76,36 +77,36 @@ class TrainConfig:
     prune_epoch: int = -1  # prune: epoch at whose start channels are cut (-1: epochs // 2)
     slim_l1: float = 1e-4  # prune: L1 penalty on BatchNorm scales before the cut
     # Optimisation
-    epochs: int = 10
-    batch_size: int = 128  # per process
-    eval_batch_size: int = 512
-    lr: float = 0.1
-    momentum: float = 0.9
-    nesterov: bool = False
-    weight_decay: float = 1e-4
-    schedule: str = "multistep"  # multistep (x0.1 at milestones), cosine, constant
-    milestones: list[float] = field(default_factory=lambda: [0.5, 0.75])  # fractions of epochs
+    epochs: int = 10  # passes over the training data
+    batch_size: int = 128  # examples per step, per process
+    eval_batch_size: int = 512  # examples per forward pass when testing
+    lr: float = 0.1  # SGD learning rate (after the LR warm-up)
+    momentum: float = 0.9  # SGD momentum (0: none)
+    nesterov: bool = False  # Nesterov momentum
+    weight_decay: float = 1e-4  # SGD weight decay (L2)
+    schedule: str = "multistep"  # learning rate: multistep (x0.1 at milestones), cosine, constant
+    milestones: list[float] = field(default_factory=lambda: [0.5, 0.75])  # multistep: LR x0.1 at these fractions of the epochs
     lr_warmup_epochs: float = 0.0  # linear LR warm-up from 0
     grad_clip: float = 0.0  # max gradient norm (0: off); the LM recipe uses 0.25
     amp: bool = False  # bf16 autocast on CPU, fp16 autocast + GradScaler on CUDA
     nonfinite: str = "stop"  # on a non-finite loss/gradient: stop (named error) or skip the step
-    seed: int = 0
+    seed: int = 0  # initial weights, data order and augmentation
     # Language models
-    bptt: int = 35
+    bptt: int = 35  # language models: tokens per training sequence
     max_vocab: int = 0  # keep the N-1 most frequent training words, map the rest to <unk> (0: all)
-    dropout: float = 0.65
+    dropout: float = 0.65  # language models: dropout probability
     # Distributed
-    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU), gloo, nccl
-    comm: str = "allreduce"  # a registered comm hook: allreduce, fp16, powersgd, signum, topk
+    backend: str = "auto"  # process-group backend: auto is nccl on CUDA, gloo on CPU
+    comm: str = "allreduce"  # DDP comm hook (gradient compression baselines; needs torchrun)
     # ... then one field per comm-hook option (see HOOK_OPTIONS)
     timeout_s: float = 300.0  # process-group timeout: a vanished peer is an error after this
     # Run directory and checkpoints
     out: str = ""  # run directory (empty: a fresh runs/<model>-<mode>-<date-time> per run)
     resume: str = ""  # run directory to continue, or "auto": continue --out if it has a checkpoint
     overwrite: bool = False  # a new run may replace the earlier run in --out (its files only)
-    checkpoint_every_epochs: int = 1  # 0: only after the last epoch
-    checkpoint_every_steps: int = 0  # 0: only at epoch ends
-    keep_checkpoints: int = 3
+    checkpoint_every_epochs: int = 1  # checkpoint every N epochs (0: only after the last one)
+    checkpoint_every_steps: int = 0  # also checkpoint every N steps (0: only at epoch ends)
+    keep_checkpoints: int = 3  # newest checkpoints kept; older ones are removed
     threads: int = 0  # torch intra-op threads per process (0: torch's default)
     channels_last: bool = True  # conv weights in NHWC memory order: faster conv kernels (CPU, GPU)
     progress: bool = True  # tqdm progress bar on rank 0
@@ -115,13 +116,8 @@ class TrainConfig:
 
     # -- checks --------------------------------------------------------------------------
     def validate(self) -> None:
-        _choice("model", self.model, tuple(MODELS))
-        _choice("mode", self.mode, tuple(mode_names()))
-        _choice("comm", self.comm, hook_names())
-        _choice("schedule", self.schedule, SCHEDULES)
-        _choice("backend", self.backend, ("auto", "gloo", "nccl"))
-        _choice("nonfinite", self.nonfinite, NONFINITE)
-        _choice("switch_momentum", self.switch_momentum, SWITCH_MOMENTUM)
+        for name, allowed in choices().items():
+            _choice(name, getattr(self, name), allowed)
         _positive("width", self.width)
         _positive("epochs", self.epochs)
         _positive("batch_size", self.batch_size)
@@ -273,6 +269,13 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def choices() -> dict[str, tuple[str, ...]]:
+    """The fields that take one of a list of names, and the names (checks and ``--help``)."""
+    return {"model": tuple(MODELS), "mode": tuple(mode_names()), "comm": tuple(hook_names()),
+            "schedule": SCHEDULES, "backend": ("auto", "gloo", "nccl"), "nonfinite": NONFINITE,
+            "switch_momentum": SWITCH_MOMENTUM}
+
+
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{name} {value!r} is invalid: allowed {', '.join(allowed)}")
@@ -298,6 +301,15 @@ def _float(name: str, value: str, allowed: str) -> float:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def field_description(name: str) -> str:
+    """One line of help for a field: its trailing comment in :class:`TrainConfig` (the style
+    ``name: type = default  # help``), or a comm-hook option's help and allowed values."""
+    for option in HOOK_OPTIONS:
+        if option.key == name:
+            return f"{option.help} (allowed: {option.allowed})"
+    return field_help(TrainConfig).get(name, "")
 
 
 def field_kind(name: str) -> type:

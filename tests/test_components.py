@@ -131,9 +131,11 @@ def test_train_help_shows_every_default_as_it_would_be_typed(capsys: pytest.Capt
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "MISSING" not in text and "object at 0x" not in text
-    assert "--milestones LIST comma-separated (default: '0.5,0.75')" in text
-    assert "--keep LIST comma-separated (default: '')" in text
-    assert "--epochs INT (default: 10)" in text
+    assert "comma-separated (default: '0.5,0.75')" in text
+    assert "--keep LIST extra globs of layers kept full-rank, or auto;" in text
+    assert "--epochs INT passes over the training data (default: 10)" in text
+    assert "--warmup-epochs STR full-rank epochs before the switch: N, P% of the epochs, or " \
+           "auto (default: '20%')" in text
 
 
 @pytest.mark.parametrize("switch_momentum", ["reset", "project"])
