@@ -24,7 +24,15 @@ from . import factorize, models
 from .baselines.compare import compare
 from .bench.runner import add_arguments as add_bench_arguments
 from .bench.runner import run_from_args
-from .config import FIELDS, ConfigError, choices, field_description, field_kind, load_config
+from .config import (
+    FIELDS,
+    ConfigError,
+    choices,
+    field_description,
+    field_kind,
+    load_config,
+    shipped_configs,
+)
 from .data import DataError
 from .formatting import one_line
 from .training.checkpoint import CheckpointError
@@ -146,7 +154,8 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model (one process, or under torchrun: DDP)",
                            description="Every option is also a key of the --config TOML file; "
                                        "flags override the file.")
-    train.add_argument("--config", help="TOML file of training options; flags override it")
+    train.add_argument("--config", help="TOML file of training options, or a shipped config's "
+                         "name: " + ", ".join(shipped_configs()) + "; flags override it")
     train.add_argument("--debug", action="store_true", help="show tracebacks")
     _config_flags(train, skip=())
     train.set_defaults(run=_cmd_train)
@@ -184,7 +193,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Trains each method on the same data and schedule (one run directory each "
                     "under --out, resumed if run again), then writes compare.md, compare.json, "
                     "tradeoff.png and report.md there. Training options as for `train`.")
-    compare.add_argument("--config", help="TOML file of training options; flags override it")
+    compare.add_argument("--config", help="TOML file of training options, or a shipped config's "
+                           "name: " + ", ".join(shipped_configs()) + "; flags override it")
     compare.add_argument("--out", default=None, help="directory of the runs and the report "
                                                      "(default: runs/compare-<model>)")
     compare.add_argument("--methods", default="full,pufferfish,lth,prune",

@@ -22,7 +22,8 @@ from .fieldhelp import field_help
 from .models import MODELS
 from .modes import mode_names
 
-__all__ = ["ConfigError", "TrainConfig", "choices", "dump_toml", "load_config"]
+__all__ = ["ConfigError", "TrainConfig", "choices", "config_path", "dump_toml", "load_config",
+           "shipped_configs"]
 
 WARMUP_ALLOWED = "an integer >= 0, a percentage of the epochs such as '20%', or 'auto'"
 SCHEDULES = ("multistep", "cosine", "constant")
@@ -367,11 +368,34 @@ def coerce_scalar(name: str, value: Any, kind: type) -> Any:
     raise ConfigError(f"{name} {value!r} is invalid: allowed a {kind.__name__}")
 
 
+SHIPPED = Path(__file__).parent / "configs"  # the repository's configs/, in the package
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The configs shipped with the package, by name (``resnet18_fashion``: its TOML file)."""
+    return {p.stem: p for p in sorted(SHIPPED.glob("*.toml"))}
+
+
+def config_path(path: str | Path) -> Path:
+    """``path`` if it exists, else the shipped config it names: ``resnet18_fashion`` (or
+    ``configs/resnet18_fashion.toml``, the repository's path, from anywhere)."""
+    p = Path(path)
+    if p.exists():
+        return p
+    shipped = shipped_configs()
+    if p.stem in shipped and (str(p) == p.stem or (p.suffix == ".toml" and str(p.parent) in (
+            ".", "configs"))):
+        return shipped[p.stem]
+    raise ConfigError(f"config file {str(path)!r} does not exist: allowed a TOML file, or the "
+                      f"name of a shipped config: {', '.join(shipped)}")
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Defaults, then the TOML file at ``path``, then ``overrides`` (e.g. from flags)."""
+    """Defaults, then the TOML file at ``path`` (or the shipped config it names), then
+    ``overrides`` (e.g. from flags)."""
     values: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
+        path = config_path(path)
         try:
             raw = tomllib.loads(path.read_text())
         except FileNotFoundError:
