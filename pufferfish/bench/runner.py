@@ -86,6 +86,7 @@ from .netns import (
     run_workers,
 )
 from .plots import plot_results
+from .progress import TrainingProgress
 from .results import project, time_to_accuracy_result, train_summary
 from .rounds import compute_check, round_plan, summarize
 from .step import HOOK_OPTIONS, hook_for
@@ -381,9 +382,11 @@ def _train_run(
     timeout = cfg.timeout or NO_TIMEOUT
     argv = _train_argv(cfg, method, run_dir)
     log(f"training {method}: {' '.join(argv[1:])}")
-    try:
-        results = run_workers(link, lambda rank: argv, env=_worker_env(), timeout=timeout,
-                              world_size=cfg.workers)
+    try:  # run_dir is out/train/<bandwidth>/<method>
+        with TrainingProgress(run_dir, f"{method} over {run_dir.parent.name}",
+                              cfg.epochs_per_method()[method], log):
+            results = run_workers(link, lambda rank: argv, env=_worker_env(), timeout=timeout,
+                                  world_size=cfg.workers)
     except WorkerTimeout:
         return f"timed out after {timeout:.0f} s"
     run_dir.mkdir(parents=True, exist_ok=True)
