@@ -1,0 +1,175 @@
+"""Every example of the README runs as written and exits cleanly, at tiny sizes.
+
+The Python examples run in order in one namespace, as a reader would paste them; the trainer
+examples get the objects their text leaves to the reader (``model``, ``args``, ``train``;
+``module``, ``train_loader``; the prepared objects of Accelerate) from the tests' own tiny
+setups, and the Accelerate one runs under ``torchrun`` twice (it must exit cleanly every time).
+The commands run in order in one directory, each with the size flags of ``TINY`` appended (a
+later flag wins), so that later commands find what earlier ones made.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_training import free_port, needs_fashion
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+# Appended to each command of its kind: small data, width and steps (a later flag wins).
+TRAIN = ["--width", "0.125", "--train-subset", "1024", "--test-subset", "128", "--batch-size",
+         "16", "--epochs", "2", "--threads", "1", "--no-progress"]
+TINY = {
+    "train": TRAIN,
+    "resume": ["--epochs", "3", "--threads", "1", "--no-progress"],  # the run's own sizes
+    "compare": [*TRAIN, "--epochs", "2", "--rounds", "1", "--latency-repeats", "1"],
+    "bench": ["--width", "0.125", "--batch-size", "16", "--steps", "2", "--warmup", "2",
+              "--compute-steps", "1", "--rounds", "1", "--threads", "1"],
+    "bench-reuse": [],
+    "factorize": [],
+    "report": [],
+}
+NOT_RUN = {"make demo": "the demo itself (11 minutes)", "make test": "the test suite itself"}
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README, re.S)
+
+
+def commands() -> list[str]:
+    """Every command line of the README's bash blocks, continuation lines joined."""
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("  #")[0].strip()
+            if line and not line.startswith("#"):
+                found.append(" ".join(line.split()))
+    return found
+
+
+def _kind(block: str) -> str:
+    if "accelerator" in block:
+        return "accelerate"
+    if "transformers" in block:
+        return "hf"
+    if "lightning" in block:
+        return "lightning"
+    return "plain"
+
+
+def test_the_library_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
+    import hf_trainer_run as hf
+    import lightning_trainer_run as lt
+
+    monkeypatch.chdir(tmp_path)  # where the trainers write their logs
+    namespace: dict[str, Any] = {}
+    kinds = [_kind(b) for b in python_blocks()]
+    assert {"plain", "hf", "lightning", "accelerate"} <= set(kinds)
+    for block, kind in zip(python_blocks(), kinds, strict=True):
+        if kind == "hf":
+            namespace.update(model=hf.tiny_gpt2(), train=hf.Tokens(),
+                             args=hf.training_arguments(str(tmp_path / "hf"), num_train_epochs=2))
+        elif kind == "lightning":
+            namespace.update(module=lt.make_module(), train_loader=lt.data())
+        elif kind == "accelerate":
+            continue  # under torchrun: below
+        exec(compile(block, "README.md", "exec"), namespace)
+        if kind == "hf":
+            assert namespace["callback"].report is not None  # it switched
+    assert namespace["recipe"].report is not None
+
+
+ACCELERATE_SETUP = """
+import sys
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from transformers import get_linear_schedule_with_warmup
+
+import pufferfish as pf
+
+sys.path.insert(0, {tests!r})
+from hf_trainer_run import Tokens, tiny_gpt2
+
+torch.set_num_threads(1)
+accelerator = Accelerator(cpu=True)
+model = tiny_gpt2()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+scheduler = get_linear_schedule_with_warmup(optimizer, 2, 12)
+loader = DataLoader(Tokens(), batch_size=4)
+"""
+
+
+def test_the_accelerate_example_under_torchrun_exits_cleanly_every_time(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    (block,) = [b for b in python_blocks() if _kind(b) == "accelerate"]
+    assert block.rstrip().splitlines()[-1].startswith("accelerator.end_training()")
+    script = tmp_path / "train.py"
+    script.write_text(ACCELERATE_SETUP.format(tests=str(ROOT / "tests")) + block)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                              "2", "--master-port", str(free_port()), str(script)],
+                             capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "terminate called" not in run.stderr and "Traceback" not in run.stderr
+
+
+def _argv(command: str) -> tuple[list[str], str]:
+    """The command as this interpreter runs it, and its kind (the key of ``TINY``)."""
+    words = shlex.split(command)
+    if words[0] == "torchrun":
+        words = ["-m", "torch.distributed.run", "--master-port", str(free_port()), *words[1:]]
+        sub = words[words.index("pufferfish") + 1]
+    else:
+        assert words[0] == "pufferfish", command
+        words, sub = ["-m", *words], words[1]
+    kind = {"train": "resume" if "--resume" in words else "train",
+            "bench": "bench-reuse" if "--from-results" in words else "bench"}.get(sub, sub)
+    return [sys.executable, *words, *TINY[kind]], kind
+
+
+@needs_fashion
+def test_the_commands_run_in_order(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    ran = []
+    for command in commands():
+        if command in NOT_RUN:
+            continue
+        argv, kind = _argv(command)
+        run = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600,
+                             cwd=tmp_path)
+        assert run.returncode == 0, f"{command}\n{run.stderr[-3000:]}"
+        assert "Traceback" not in run.stderr and "terminate called" not in run.stderr, command
+        ran.append(kind)
+    assert {"train", "resume", "report", "compare", "bench", "bench-reuse", "factorize"} <= set(ran)
+    assert (tmp_path / "runs" / "tta" / "results.md").exists()
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_the_links_lead_to_their_sections() -> None:
+    links = re.findall(r"\]\(([^)#]+)(?:#([^)]+))?\)", README)
+    assert links
+    for path, anchor in links:
+        target = ROOT / path
+        assert target.exists(), path
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", target.read_text(), re.M)
+            assert anchor in {_slug(h) for h in headings}, f"{path}#{anchor}"
