@@ -144,6 +144,10 @@ def _is_user_error(e: Exception) -> bool:
                       | OSError)
 
 
+CONFIG_HELP = ("TOML file of training options, or a shipped config's name: "
+               + ", ".join(shipped_configs()) + "; flags override it")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="pufferfish",
@@ -154,8 +158,7 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model (one process, or under torchrun: DDP)",
                            description="Every option is also a key of the --config TOML file; "
                                        "flags override the file.")
-    train.add_argument("--config", help="TOML file of training options, or a shipped config's "
-                         "name: " + ", ".join(shipped_configs()) + "; flags override it")
+    train.add_argument("--config", help=CONFIG_HELP)
     train.add_argument("--debug", action="store_true", help="show tracebacks")
     _config_flags(train, skip=())
     train.set_defaults(run=_cmd_train)
@@ -193,8 +196,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Trains each method on the same data and schedule (one run directory each "
                     "under --out, resumed if run again), then writes compare.md, compare.json, "
                     "tradeoff.png and report.md there. Training options as for `train`.")
-    compare.add_argument("--config", help="TOML file of training options, or a shipped config's "
-                           "name: " + ", ".join(shipped_configs()) + "; flags override it")
+    compare.add_argument("--config", help=CONFIG_HELP)
     compare.add_argument("--out", default=None, help="directory of the runs and the report "
                                                      "(default: runs/compare-<model>)")
     compare.add_argument("--methods", default="full,pufferfish,lth,prune",

@@ -30,7 +30,8 @@ TRAIN = ["--width", "0.125", "--train-subset", "1024", "--test-subset", "128", "
 TINY = {
     "train": TRAIN,
     "resume": ["--epochs", "3", "--threads", "1", "--no-progress"],  # the run's own sizes
-    "compare": [*TRAIN, "--epochs", "2", "--rounds", "1", "--latency-repeats", "1"],
+    "compare": [*TRAIN, "--train-subset", "256", "--epochs", "1", "--rounds", "1",
+                "--latency-repeats", "1"],
     "bench": ["--width", "0.125", "--batch-size", "16", "--steps", "2", "--warmup", "2",
               "--compute-steps", "1", "--rounds", "1", "--threads", "1"],
     "bench-reuse": [],
