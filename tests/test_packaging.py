@@ -1,6 +1,6 @@
 """The wheel: a LICENSE, the license as an SPDX expression, the shipped configs, no build
-warnings, and ``pufferfish train --config resnet18_fashion`` from its files outside the source
-tree."""
+warnings; installed in a clean virtualenv, it runs the README's examples and
+``pufferfish train --config resnet18_fashion`` outside the source tree."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from test_readme import _kind, python_blocks
 from test_training import TINY, metrics, needs_fashion
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,23 +51,39 @@ def test_the_wheel_holds_the_license_and_the_configs(wheel: Path) -> None:
 
 
 @needs_fashion
-def test_a_shipped_config_by_name_from_the_installed_files(wheel: Path, tmp_path: Path) -> None:
-    site = tmp_path / "site"
-    zipfile.ZipFile(wheel).extractall(site)
-    env = {**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"}
-    where = subprocess.run([sys.executable, "-c", "import pufferfish; print(pufferfish.__file__)"],
-                           capture_output=True, text=True, env=env, cwd=tmp_path)
+def test_installed_in_a_clean_virtualenv_it_runs_from_anywhere(wheel: Path,
+                                                                tmp_path: Path) -> None:
+    """The wheel in a fresh virtualenv (its dependencies, torch included, from this one's
+    site-packages, never this checkout): --help, the README's library examples and a shipped
+    config by name, from a directory outside the source tree."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    deps = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+    (site / "deps.pth").write_text("\n".join(deps) + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+                    "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=work,
+                              timeout=300)
+
+    where = run(str(venv / "bin" / "python"), "-c", "import pufferfish; print(pufferfish.__file__)")
     assert where.stdout.startswith(str(site)), where.stdout + where.stderr
-    run = subprocess.run([sys.executable, "-m", "pufferfish", "train", "--config",
-                          "resnet18_fashion", *TINY, "--epochs", "1", "--out", "run"],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert len(metrics(tmp_path / "run")) == 1
+    assert run(str(venv / "bin" / "pufferfish"), "--help").returncode == 0
+    examples = [b for b in python_blocks() if _kind(b) == "plain"]
+    library = run(str(venv / "bin" / "python"), "-c", "\n".join(examples))
+    assert library.returncode == 0, library.stderr[-2000:]
+    train = run(str(venv / "bin" / "pufferfish"), "train", "--config", "resnet18_fashion", *TINY,
+                "--epochs", "1", "--out", "run")
+    assert train.returncode == 0, train.stderr[-2000:]
+    assert len(metrics(work / "run")) == 1
     # the repository's path works too, from anywhere (the README's commands as written)
-    found = subprocess.run([sys.executable, "-c", "from pufferfish.config import config_path; "
-                            "print(config_path('configs/resnet18_fashion.toml'))"],
-                           capture_output=True, text=True, env=env, cwd=tmp_path)
+    found = run(str(venv / "bin" / "python"), "-c", "from pufferfish.config import config_path; "
+                "print(config_path('configs/resnet18_fashion.toml'))")
     assert found.stdout.strip() == str(site / "pufferfish/configs/resnet18_fashion.toml")
-    bad = subprocess.run([sys.executable, "-m", "pufferfish", "train", "--config", "resnet19"],
-                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    bad = run(str(venv / "bin" / "pufferfish"), "train", "--config", "resnet19")
     assert bad.returncode == 2 and "shipped config: demo, lstm_kjv" in bad.stderr
