@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
 
     fact = sub.add_parser("factorize", help="factorize a paper model and print the report")
     fact.add_argument("--model", nargs="+", default=["resnet18", "vgg19_bn"],
-                      help="resnet18, vgg19_bn, lstm, transformer")
+                      help="resnet18, vgg19_bn, lstm, transformer, llama")
     fact.add_argument("--width", type=float, default=1.0)
     fact.add_argument("--rank-ratio", type=float, default=0.25)
     fact.add_argument("--preset", default="paper", help="the model's preset, or 'none'")
@@ -220,7 +220,7 @@ def _cmd_factorize(args: argparse.Namespace) -> int:
         model = models.build_at_width(name, args.width, num_classes=args.num_classes,
                                       in_channels=args.in_channels, image_size=args.image_size,
                                       vocab_size=args.vocab_size)
-        if name in ("lstm", "transformer"):
+        if name in ("lstm", "transformer", "llama"):
             x = torch.zeros((35, 1) if name == "lstm" else (1, 35), dtype=torch.long)
         else:
             x = torch.zeros(1, args.in_channels, args.image_size, args.image_size)

@@ -40,7 +40,7 @@ class ConfigError(ValueError):
 @with_option_fields(after="comm", options=HOOK_OPTIONS)
 class TrainConfig:
     # What to train
-    model: str = "resnet18"  # resnet18, vgg19_bn, lstm, transformer
+    model: str = "resnet18"  # resnet18, vgg19_bn, lstm, transformer, llama
     width: float = 1.0  # channel multiplier (images) / size multiplier of the paper's dims (LMs)
     data: str = "fashion-mnist"  # fashion-mnist, cifar10, kjv, or a path to a UTF-8 text file
     data_dir: str = ""  # empty: the dataset's default directory
