@@ -195,3 +195,49 @@ def test_bad_llama_input_exits_2_with_one_line(tmp_path: Path, args: list[str],
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pufferfish: error:") and message in lines[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# -- Hugging Face LlamaForCausalLM: the same preset names, the HF callback ------------------------
+
+def tiny_hf_llama(layers: int = 3) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    from hf_trainer_run import VOCAB
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=192,
+                                      num_hidden_layers=layers, num_attention_heads=2,
+                                      num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_hf_llama_takes_the_paper_preset_by_its_class_name() -> None:
+    model = tiny_hf_llama()
+    report = pf.factorize(model, preset="paper", example_input=torch.zeros(1, 8, dtype=torch.long))
+    assert set(report.ranks) == _expected_factorized("model.", 3)
+    kept = {d.name for d in report.layers if not d.factorized}
+    assert {f"model.layers.0.{name}" for name in BLOCK} | {"lm_head"} <= kept
+
+
+def test_hf_trainer_callback_switches_hf_llama_with_the_paper_preset(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    import transformers
+    from hf_trainer_run import Tokens, training_arguments
+
+    from pufferfish.integrations.hf import PufferfishCallback
+    from pufferfish.lowrank import LowRankModule
+
+    model = tiny_hf_llama()
+    callback = PufferfishCallback(warmup_epochs=1, preset="paper", verbose=False)
+    trainer = transformers.Trainer(model=model, args=training_arguments(str(tmp_path),
+                                                                        num_train_epochs=2),
+                                   train_dataset=Tokens(), callbacks=[callback])
+    trainer.train()
+    assert callback.recipe.switched_at == 1
+    assert set(callback.report.ranks) == _expected_factorized("model.", 3)
+    low = {n for n, m in model.named_modules() if isinstance(m, LowRankModule)}
+    assert low == _expected_factorized("model.", 3)
+    # The Trainer's optimizer trains the factors: they are in it, the replaced weights are not.
+    in_optimizer = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert all(id(p) in in_optimizer for p in model.parameters())
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses and all(math.isfinite(v) for v in losses)
