@@ -57,7 +57,7 @@ def corpus_lines(name: str) -> tuple[list[str], str]:
     path = Path(name).expanduser()
     if path.is_file():
         return load_text_file(path), path.stem
-    raise DataError(f"unknown text corpus {name!r}; expected kjv or a path to a UTF-8 text file")
+    raise DataError(f"data {name!r} is no text corpus: allowed kjv or a path to a UTF-8 text file")
 
 
 def default_cache_dir(name: str) -> Path:

@@ -35,10 +35,6 @@ __all__ = ["PackedLMTask"]
 
 class PackedLMTask:
     def __init__(self, cfg: TrainConfig, env: DistEnv) -> None:
-        if cfg.data.strip().lower().replace("_", "-") in ("fashion-mnist", "cifar10", "fmnist",
-                                                           "cifar-10", "fashionmnist"):
-            raise datasets.DataError(f"data {cfg.data!r} is an image dataset: model "
-                                     f"{cfg.model!r} needs kjv or a text file")
         self.cfg, self.env = cfg, env
         self.corpus = _load_on_rank0_first(cfg, env)
         train = self.corpus.train[:cfg.train_subset] if cfg.train_subset else self.corpus.train
