@@ -17,6 +17,7 @@ from pufferfish.data import DataError, PackedLoader, load_bpe_corpus
 from pufferfish.data import bpe as bpe_module
 from pufferfish.models import build_at_width
 from pufferfish.models.llama import apply_rope, rope_table
+from pufferfish.training.checkpoint import latest_checkpoint
 
 BLOCK = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
@@ -242,3 +243,21 @@ def test_hf_trainer_callback_switches_hf_llama_with_the_paper_preset(tmp_path: P
     assert all(id(p) in in_optimizer for p in model.parameters())
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses and all(math.isfinite(v) for v in losses)
+
+
+def test_resume_after_the_switch_replays_the_run(tmp_path: Path) -> None:
+    args = llama_args(tmp_path, "--train-subset", "800", "--epochs", "2", "--warmup-epochs", "1",
+                      "--checkpoint-every-steps", "4", "--eval-every-steps", "5")
+    ref, run, marker = tmp_path / "ref", tmp_path / "run", tmp_path / "killed"
+    assert run_cli("train", *args, "--out", str(ref)).returncode == 0
+    killed = run_cli("train", *args, "--out", str(run), env={
+        "PUFFERFISH_KILL_AT_STEP": "17", "PUFFERFISH_KILL_MARKER": str(marker)})
+    assert killed.returncode == -9 and marker.exists()
+    resumed = run_cli("train", "--resume", str(run), "--no-progress")
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    a, b = latest_checkpoint(ref)[0]["model"], latest_checkpoint(run)[0]["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["val_ppl"] for r in metrics(ref)] == [r["val_ppl"] for r in metrics(run)]
+    evals = [(tmp_path / d / "evals.jsonl").read_text() for d in ("ref", "run")]
+    assert [json.loads(x)["step"] for x in evals[1].splitlines()] == \
+        [json.loads(x)["step"] for x in evals[0].splitlines()]
