@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
+from .data.bpe import MIN_VOCAB
 from .distributed.hooks import all_hook_options, hook_names, with_option_fields
 from .fieldhelp import field_help
 from .models import MODELS
+from .models.llama import MAX_SEQ_LEN, llama_dims
 from .modes import mode_names
 
 __all__ = ["ConfigError", "TrainConfig", "choices", "config_path", "dump_toml", "load_config",
@@ -96,6 +98,9 @@ class TrainConfig:
     bptt: int = 35  # language models: tokens per training sequence
     max_vocab: int = 0  # keep the N-1 most frequent training words, map the rest to <unk> (0: all)
     dropout: float = 0.65  # language models: dropout probability
+    seq_len: int = 256  # llama: tokens per packed sequence (the model's RoPE table is this long)
+    vocab_size: int = 4096  # llama: tokens of the byte-level BPE trained on the corpus
+    eval_every_steps: int = 0  # also evaluate every N optimizer steps (0: at epoch ends only)
     # Distributed
     backend: str = "auto"  # process-group backend: auto is nccl on CUDA, gloo on CPU
     comm: str = "allreduce"  # DDP comm hook (gradient compression baselines; needs torchrun)
@@ -128,7 +133,7 @@ class TrainConfig:
         _positive("timeout_s", self.timeout_s)
         for name in ("max_vocab", "train_subset", "test_subset", "keep_first", "checkpoint_every_epochs",
                      "checkpoint_every_steps", "threads",
-                     "stable_rank_every_steps"):
+                     "stable_rank_every_steps", "eval_every_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
         _positive("keep_checkpoints", self.keep_checkpoints)
@@ -136,6 +141,8 @@ class TrainConfig:
                      "switch_threshold"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
+        if self.model == "llama":
+            self._validate_llama()
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"dropout {self.dropout!r} is invalid: allowed 0 <= dropout < 1")
         for option in HOOK_OPTIONS:
@@ -174,6 +181,19 @@ class TrainConfig:
                 0 < m < 1 for m in self.milestones):
             raise ConfigError(f"milestones {self.milestones!r} are invalid: allowed increasing "
                               "fractions of the epochs, each in (0, 1)")
+
+    def _validate_llama(self) -> None:
+        """Width, context and vocabulary of ``--model llama`` (the corpus checks its own limit)."""
+        try:
+            llama_dims(self.width)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not 1 <= self.seq_len <= MAX_SEQ_LEN:
+            raise ConfigError(f"seq_len {self.seq_len} is out of range for llama: allowed 1 to "
+                              f"{MAX_SEQ_LEN} (its longest RoPE table)")
+        if self.vocab_size < MIN_VOCAB:
+            raise ConfigError(f"vocab_size {self.vocab_size} is too small for a byte-level BPE: "
+                              f"allowed >= {MIN_VOCAB} (256 bytes and <|endoftext|>)")
 
     def _validate_baselines(self) -> None:
         """The ``lth``/``prune`` keys (see :mod:`pufferfish.baselines`)."""
@@ -245,7 +265,7 @@ class TrainConfig:
 
     @property
     def is_lm(self) -> bool:
-        return self.model in ("lstm", "transformer")
+        return self.model in ("lstm", "transformer", "llama")
 
     def run_dir(self) -> Path:
         """``out``, or a fresh directory for this run, so that two runs never share one:

@@ -38,6 +38,7 @@ from .auto import (
 from .distributed.env import broadcast_object
 from .lowrank import FactorizationReport, LowRankModule, factorize
 from .lowrank.factorize import factorizable_modules, format_table
+from .lowrank.presets import presets_of
 
 __all__ = ["FactorizationPlan", "Switch", "SwitchPolicy", "projected_momentum"]
 
@@ -203,7 +204,7 @@ class FactorizationPlan:
         """The patterns kept full-rank before any measurement: ``keep`` and the preset's."""
         keep = list(self.keep)
         if self.preset is not None:
-            keep += (getattr(model, "PRESETS", {}) or {}).get(self.preset, {}).get("keep", [])
+            keep += presets_of(model).get(self.preset, {}).get("keep", [])
         return keep
 
     def factorize_kwargs(self, model: nn.Module, tracker: Any = None,

@@ -129,7 +129,7 @@ def test_transformer_causal_and_tied() -> None:
 
 
 def test_build_model() -> None:
-    assert set(MODELS) == {"resnet18", "vgg19_bn", "lstm", "transformer"}
+    assert set(MODELS) == {"resnet18", "vgg19_bn", "lstm", "transformer", "llama"}
     assert isinstance(build_model("resnet18", width=0.125), ResNet18)
     assert isinstance(build_model("lstm", vocab_size=10, embed_dim=4, hidden_size=4),
                       LSTMLanguageModel)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .bpe import BPECorpus, load_bpe_corpus
 from .errors import DataError
 from .images import (
     CIFAR10_CLASSES,
@@ -30,6 +31,7 @@ from .images import (
     random_crop_flip,
     read_idx,
 )
+from .packed import PackedLoader
 from .text import (
     EOS,
     BPTTLoader,
@@ -52,16 +54,19 @@ __all__ = [
     "EOS",
     "FASHION_MNIST_CLASSES",
     "NORMALIZATION",
+    "BPECorpus",
     "BPTTLoader",
     "Corpus",
     "DataError",
     "ImageDataset",
+    "PackedLoader",
     "TensorImageLoader",
     "Vocab",
     "batchify",
     "clear_cache",
     "download",
     "get_bptt_batch",
+    "load_bpe_corpus",
     "load_cifar10",
     "load_dataset",
     "load_fashion_mnist",

@@ -13,6 +13,7 @@ from .factorize import (
 )
 from .layers import LowRankConv2d, LowRankLinear
 from .lstm import LowRankLSTM
+from .presets import presets_of, register_presets
 from .svd import rank_from_ratio, saves_parameters, svd_split
 
 __all__ = [
@@ -29,8 +30,10 @@ __all__ = [
     "load_factorized",
     "low_rank_class_for",
     "merge",
+    "presets_of",
     "rank_from_ratio",
     "register_low_rank",
+    "register_presets",
     "saves_parameters",
     "svd_split",
 ]

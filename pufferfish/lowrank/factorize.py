@@ -55,6 +55,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .base import LowRankModule, low_rank_class_for
+from .presets import presets_of
 from .selection import ModuleIndex, as_patterns, first_match, resolve_rank
 from .svd import rank_from_ratio
 
@@ -592,7 +593,7 @@ def _reparametrized(module: nn.Module) -> str | None:
 
 
 def _preset(model: nn.Module, preset: str) -> dict[str, Any]:
-    presets = getattr(model, "PRESETS", None) or {}
+    presets = presets_of(model)
     if preset not in presets:
         allowed = ", ".join(sorted(presets)) or "none: pass keep/include patterns instead"
         raise ValueError(f"{type(model).__name__} has no preset {preset!r}: allowed {allowed}")

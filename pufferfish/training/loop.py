@@ -52,7 +52,7 @@ from ..distributed.hooks import hook_options, register_comm_hook
 from . import checkpoint as ckpt
 from . import faults, startup, tasks
 from .methods import Change, Method, build_method
-from .metrics import MetricsWriter
+from .metrics import EvalLog, MetricsWriter, quality_key
 from .schedule import lr_at
 from .step import EpochMeter, Replica, train_step
 from .tasks import Task, build_task
@@ -156,6 +156,7 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     model = task.model.to(env.device)
     method.setup(model, task.example_input(env.device), cfg)
     writer = MetricsWriter(run_dir, enabled=env.is_main)
+    evals = EvalLog(run_dir, enabled=env.is_main)
     startup.check_agree(env, "the data or the checkpoint to resume", {
         **startup.data_fingerprint(task),
         "resume_from": None if resumed is None else resumed[1].name}, DataError)
@@ -165,6 +166,7 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         run = _resume(cfg, env, method, task, model, *resumed)
         with _signals_deferred():  # rows of the epoch being redone go
             writer.truncate(run.progress.epoch)
+            evals.truncate(run.progress.global_step)
     _write_config(cfg, env, run_dir)
 
     total = method.total_epochs(cfg)
@@ -172,7 +174,7 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         epoch = run.progress.epoch
         if run.progress.step_in_epoch == 0:
             _start_epoch(cfg, env, run, method, task, run_dir)
-        row = _train_epoch(cfg, env, run, method, task, run_dir)
+        row = _train_epoch(cfg, env, run, method, task, run_dir, evals)
         row.update(task.evaluate(run.model, env))
         if run.figures is None:  # recounted only when the method changed the model
             run.figures = method.model_figures(run.model, task.example_input(env.device))
@@ -294,7 +296,7 @@ def _record_change(env: DistEnv, change: Change, run_dir: Path) -> None:
 # -- one epoch, one step -----------------------------------------------------------------------
 
 def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
-                 run_dir: Path) -> dict[str, Any]:
+                 run_dir: Path, evals: EvalLog) -> dict[str, Any]:
     """The epoch's remaining steps (all of them, unless resumed mid-epoch); its metrics row."""
     loader, progress = task.train_loader, run.progress
     loader.set_epoch(progress.epoch)
@@ -317,11 +319,24 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
         bar.update(1)
         if env.is_main and i % 10 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.3g}")
+        if cfg.eval_every_steps and progress.global_step % cfg.eval_every_steps == 0 \
+                and progress.step_in_epoch < steps:  # the epoch's end evaluates anyway
+            _evaluate_within_epoch(env, run, task, evals)
         if cfg.checkpoint_every_steps and progress.global_step % cfg.checkpoint_every_steps == 0 \
                 and progress.step_in_epoch < steps:
             _checkpoint(cfg, env, run, method, task, run_dir)
     bar.close()
     return _epoch_row(cfg, env, run, method, steps)
+
+
+def _evaluate_within_epoch(env: DistEnv, run: Run, task: Task, evals: EvalLog) -> None:
+    """``--eval-every-steps``: the task's evaluation now, printed and kept in ``evals.jsonl``."""
+    row = {"epoch": run.progress.epoch + 1, "step": run.progress.global_step,
+           **task.evaluate(run.model, env)}
+    with _signals_deferred():
+        evals.write(row)
+    dist_env.say(env, " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                 for k, v in row.items()))
 
 
 def _step(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task, batch: Any,
@@ -550,8 +565,10 @@ def _indent(text: str) -> str:
 
 
 def _summary(row: dict[str, Any], total_epochs: int) -> str:
-    quality = (f"test_ppl {row['test_ppl']:.1f}" if "test_ppl" in row
-               else f"test_acc {100 * row['test_acc']:.2f}%")
+    key = quality_key(row)
+    quality = f"{key} {row[key]:.1f}" if key != "test_acc" else f"test_acc {100 * row[key]:.2f}%"
+    if "tokens_per_s" in row:
+        quality += f" | {row['tokens_per_s']:.0f} tok/s"
     size = f"params {row['params'] / 1e6:.2f}M | "
     if "macs" in row:  # the model figures of the method (FullRankMethod's and its subclasses')
         size += f"MACs {row['macs'] / 1e6:.1f}M | "

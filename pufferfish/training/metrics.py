@@ -15,7 +15,12 @@ from typing import Any
 from ..formatting import markdown_table
 from .checkpoint import atomic_write_text
 
-__all__ = ["MetricsWriter", "read_metrics"]
+__all__ = ["EvalLog", "MetricsWriter", "quality_key", "read_metrics"]
+
+
+def quality_key(row: dict[str, Any]) -> str:
+    """The row's headline figure: ``test_ppl`` / ``val_ppl`` (language models) or ``test_acc``."""
+    return next((k for k in ("test_ppl", "val_ppl") if k in row), "test_acc")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -57,7 +62,7 @@ class MetricsWriter:
         """A Markdown table of every epoch, printed at the end of a run."""
         if not self.rows:
             return ""
-        quality = "test_ppl" if "test_ppl" in self.rows[-1] else "test_acc"
+        quality = quality_key(self.rows[-1])
         cols = ["epoch", "train_loss", quality, "params", "macs", "lowrank", "epoch_time",
                 "comm_bytes_per_step"]
         return "\n".join(markdown_table(cols, ([_fmt(c, r.get(c)) for c in cols]
@@ -77,3 +82,30 @@ def _fmt(column: str, value: Any) -> str:
         return f"{value:.4g}"
     return str(value)
 
+
+
+class EvalLog:
+    """Evaluations within epochs (``--eval-every-steps``): ``evals.jsonl``, one row each, with
+    its global ``step``; rewritten whole like the metrics, and cut back on resume."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
+        self.path, self.enabled = Path(run_dir) / "evals.jsonl", enabled
+        self.rows: list[dict[str, Any]] = []
+
+    def truncate(self, global_step: int) -> None:
+        """On resume: keep the evaluations of the first ``global_step`` steps."""
+        if self.path.exists():
+            rows = [json.loads(line) for line in self.path.read_text().splitlines() if line]
+            self.rows = [r for r in rows if r["step"] <= global_step]
+        if self.rows:
+            self._flush()
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        self._flush()
+
+    def _flush(self) -> None:
+        if self.enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.path, "".join(json.dumps(r, default=float) + "\n"
+                                                 for r in self.rows))

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..formatting import markdown_table
 from ..outputs import claim_outputs
-from .metrics import read_metrics
+from .metrics import quality_key, read_metrics
 
 __all__ = ["compare_runs", "summarize_run"]
 
@@ -33,7 +33,7 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
     cfg_path = run_dir / "config.toml"
     cfg = tomllib.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     last = rows[-1]
-    lm = "test_ppl" in last
+    key = quality_key(last)
     low = [r for r in rows if r.get("lowrank")]
     full = [r for r in rows if not r.get("lowrank")]
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs) if rs else None  # noqa: E731
@@ -42,9 +42,9 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
         "mode": cfg.get("mode", "?"),
         "comm": cfg.get("comm", "?"),
         "epochs": last["epoch"],
-        "quality_key": "test_ppl" if lm else "test_acc",
-        "final": last["test_ppl" if lm else "test_acc"],
-        "best": (min if lm else max)(r["test_ppl" if lm else "test_acc"] for r in rows),
+        "quality_key": key,
+        "final": last[key],
+        "best": (min if key != "test_acc" else max)(r[key] for r in rows),
         "params": last["params"],
         "macs": last["macs"],
         "epoch_time": mean(rows, "epoch_time"),
@@ -77,9 +77,9 @@ def compare_runs(run_dirs: list[str], out: str | None = None, *, overwrite: bool
     runs = [summarize_run(d) for d in run_dirs]
     if out:
         claim_outputs(out, command, REPORT_FILES, overwrite)
-    lm = runs[0]["quality_key"] == "test_ppl"
+    lm = runs[0]["quality_key"] != "test_acc"
     base = runs[0]
-    head = ["run", "mode", "comm", "epochs", "final test ppl" if lm else "final test acc",
+    head = ["run", "mode", "comm", "epochs", f"final {runs[0]['quality_key'].replace('_', ' ')}",
             "params", "MACs", "s/epoch", "s/epoch after switch", "total s", "MB/step",
             "time vs first"]
     rows = []
@@ -112,7 +112,8 @@ def _plot(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     key = runs[0]["quality_key"]
-    label = "test perplexity" if key == "test_ppl" else "test accuracy"
+    label = {"test_ppl": "test perplexity", "val_ppl": "validation perplexity"}.get(
+        key, "test accuracy")
     fig, (ax_epoch, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
     for r in runs:
         epochs = [row["epoch"] for row in r["rows"]]

@@ -1,4 +1,5 @@
-"""The two kinds of task the loop trains: image classification and language modelling.
+"""The kinds of task the loop trains: image classification and language modelling (word-level
+here; the decoder LM on packed BPE sequences in :mod:`.packed_lm`).
 
 A task owns its data, its model and how to compute a loss and evaluate; the loop owns everything
 else. Evaluation is sharded over ranks without dropping examples and its sums are reduced, so the
@@ -50,6 +51,10 @@ def build_task(cfg: TrainConfig, env: DistEnv) -> Task:
             datasets.download(cfg.data, cfg.data_dir or "data")
         if env.distributed:
             dist.barrier()
+    if cfg.model == "llama":
+        from .packed_lm import PackedLMTask
+
+        return PackedLMTask(cfg, env)
     return LanguageTask(cfg, env) if cfg.is_lm else ImageTask(cfg, env)
 
 

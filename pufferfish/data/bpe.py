@@ -1,0 +1,171 @@
+"""Byte-level BPE token streams for decoder LMs, the tokenizer trained on the corpus and cached.
+
+The lines (KJV verses, or a text file's lines) are split as the word-level LM splits them
+(:func:`~pufferfish.data.text.split_lines`, interleaved: verses 1-90 of every 100 train, 91-95
+validation, 96-100 test), so no verse is in two splits. A byte-level BPE (``tokenizers``) is
+trained on the training lines only; every line is encoded followed by one ``<|endoftext|>`` and
+the lines are concatenated into one stream per split.
+
+Cache: ``<cache_dir>/<name>.bpe<vocab>-<digest>.tokenizer.json`` and ``.tokens.pt`` (the three
+streams), where the digest is SHA-256 over the corpus's lines and every setting (vocabulary,
+minimum pair frequency, split, tokenizers version). A changed corpus or setting is a new file,
+never an overwrite; files are written through a temp file and a rename; an unreadable
+``.tokens.pt`` is a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..formatting import one_line
+from .errors import DataError
+from .text import load_kjv, load_text_file, split_lines
+
+__all__ = ["EOT", "MIN_VOCAB", "BPECorpus", "corpus_lines", "default_cache_dir", "load_bpe_corpus"]
+
+EOT = "<|endoftext|>"
+MIN_VOCAB = 257  # the 256 byte tokens of a byte-level BPE and <|endoftext|>
+MIN_FREQUENCY = 2  # a merge needs a pair seen at least twice
+SPLIT = {"valid_frac": 0.05, "test_frac": 0.05, "mode": "interleaved"}
+
+
+@dataclass
+class BPECorpus:
+    """Token-id streams (1-D int64) of the three splits, and where the tokenizer is."""
+
+    train: torch.Tensor
+    valid: torch.Tensor
+    test: torch.Tensor
+    vocab_size: int
+    tokenizer_path: Path
+    source: str
+
+
+def corpus_lines(name: str) -> tuple[list[str], str]:
+    """The lines of ``kjv`` (the verses) or of a UTF-8 text file, and a short name for files."""
+    if name.strip().lower() in ("kjv", "bible"):
+        return load_kjv(), "kjv"
+    path = Path(name).expanduser()
+    if path.is_file():
+        return load_text_file(path), path.stem
+    raise DataError(f"data {name!r} is no text corpus: allowed kjv or a path to a UTF-8 text file")
+
+
+def default_cache_dir(name: str) -> Path:
+    """Beside a text file; for the KJV (a program's output) ``$XDG_CACHE_HOME/pufferfish``."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path.resolve().parent
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pufferfish"
+
+
+def load_bpe_corpus(name: str, vocab_size: int, cache_dir: str | os.PathLike[str] | None = None
+                    ) -> BPECorpus:
+    """The corpus ``name`` as BPE token streams, from the cache or trained and cached now."""
+    tokenizers = _tokenizers()
+    if vocab_size < MIN_VOCAB:
+        raise DataError(f"vocab_size {vocab_size} is too small for a byte-level BPE: allowed >= "
+                        f"{MIN_VOCAB} (256 bytes and {EOT})")
+    lines, stem = corpus_lines(name)
+    train, valid, test = split_lines(lines, SPLIT["valid_frac"], SPLIT["test_frac"],
+                                     SPLIT["mode"])  # type: ignore[arg-type]
+    settings = {"vocab_size": vocab_size, "min_frequency": MIN_FREQUENCY, "split": SPLIT,
+                "tokenizers": tokenizers.__version__, "format": 1}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for line in lines:
+        digest.update(line.encode("utf-8") + b"\n")
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir(name)
+    base = directory / f"{stem}.bpe{vocab_size}-{digest.hexdigest()[:16]}"
+    tok_path, ids_path = Path(f"{base}.tokenizer.json"), Path(f"{base}.tokens.pt")
+    if tok_path.is_file():
+        tokenizer = tokenizers.Tokenizer.from_file(str(tok_path))
+    else:
+        tokenizer = _train(tokenizers, train, vocab_size)
+        _atomic_write(tok_path, lambda f: f.write(tokenizer.to_str().encode()))
+    streams = _load_streams(ids_path, digest.hexdigest())
+    if streams is None:
+        streams = [_encode(tokenizer, part) for part in (train, valid, test)]
+        _atomic_write(ids_path, lambda f: torch.save(
+            {"digest": digest.hexdigest(), "streams": streams}, f))
+    return BPECorpus(*streams, vocab_size=tokenizer.get_vocab_size(), tokenizer_path=tok_path,
+                     source=name)
+
+
+def _tokenizers() -> Any:
+    """The optional ``tokenizers`` module, or a one-line DataError naming it."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise DataError("a BPE corpus needs the tokenizers package: pip install tokenizers") \
+            from None
+    return tokenizers
+
+
+def _train(tokenizers: Any, lines: Sequence[str], vocab_size: int) -> Any:
+    """A byte-level BPE of ``vocab_size`` tokens on ``lines``; fewer possible is a DataError."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=MIN_FREQUENCY,
+                                  special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    if tokenizer.get_vocab_size() < vocab_size:
+        raise DataError(f"vocab_size {vocab_size} is larger than the corpus allows: its training "
+                        f"split has merges for {tokenizer.get_vocab_size()} tokens (pairs seen "
+                        f"at least {MIN_FREQUENCY} times); allowed <= {tokenizer.get_vocab_size()}")
+    return tokenizer
+
+
+def _encode(tokenizer: Any, lines: Sequence[str]) -> torch.Tensor:
+    """Every line's ids followed by ``<|endoftext|>``, concatenated."""
+    eot = tokenizer.token_to_id(EOT)
+    ids: list[int] = []
+    for encoding in tokenizer.encode_batch(list(lines)):
+        ids.extend(encoding.ids)
+        ids.append(eot)
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def _load_streams(path: Path, digest: str) -> list[torch.Tensor] | None:
+    if not path.is_file():
+        return None
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # a corrupt cache is a miss; the corpus is authoritative
+        return None
+    if not isinstance(saved, dict) or saved.get("digest") != digest:
+        return None
+    streams = saved.get("streams")
+    ok = isinstance(streams, list) and len(streams) == 3 and all(
+        isinstance(s, torch.Tensor) and s.dtype == torch.int64 and s.dim() == 1 for s in streams)
+    return streams if ok else None
+
+
+def _atomic_write(path: Path, write: Callable) -> None:
+    """Write ``path`` through a temp file in its directory and a rename: never half-written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    except OSError as e:
+        raise DataError(f"{path.parent}: cannot write the BPE cache ({one_line(e, with_type=True)}); "
+                        "expected a writable directory (set --data-dir)") from e
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the cache from other users
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,43 @@
+"""Named choices of full-rank layers (``preset="paper"``), found on the model or by its class name.
+
+A model class may carry its own ``PRESETS`` (the models in :mod:`pufferfish.models` do). A
+library's class cannot, so presets for it are registered here by class name. Hugging Face's
+LLaMA-style decoders (``LlamaForCausalLM`` and the families with the same module names) take the
+presets of our ``llama`` model, whose module names follow HF's; they are named by module path and
+imported when first asked for (as :mod:`pufferfish.modes` names the methods), because
+``lowrank/`` sits below ``models/``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from torch import nn
+
+__all__ = ["presets_of", "register_presets"]
+
+Presets = dict[str, dict[str, Any]]
+
+_LLAMA = "pufferfish.models.llama:Llama"
+_BY_CLASS_NAME: dict[str, Presets | str] = {
+    name: _LLAMA for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+}
+
+
+def register_presets(class_name: str, presets: Presets | str) -> None:
+    """Presets for models of a class that cannot carry ``PRESETS`` itself (a library's class):
+    a dict, or ``"module:Class"`` of a class whose ``PRESETS`` fit it."""
+    _BY_CLASS_NAME[class_name] = presets
+
+
+def presets_of(model: nn.Module) -> Presets:
+    """``model.PRESETS`` if it has them, else those registered for its class name, else none."""
+    own = getattr(model, "PRESETS", None)
+    if own:
+        return own
+    found = _BY_CLASS_NAME.get(type(model).__name__, {})
+    if isinstance(found, str):
+        module, name = found.split(":")
+        found = getattr(importlib.import_module(module), name).PRESETS
+    return found
