@@ -50,7 +50,7 @@ from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 from ..distributed.hooks import hook_options, register_comm_hook
 from . import checkpoint as ckpt
-from . import faults, startup, tasks
+from . import faults, optim, startup, tasks
 from .methods import Change, Method, build_method
 from .metrics import MetricsWriter
 from .schedule import lr_at
@@ -143,7 +143,8 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     startup.check_config_agrees(cfg, env)
     # Before anything is written or loaded: rank 0 decides what happens to the run directory
     # (resume, start, or refuse) and every rank learns it.
-    resumed = startup.find_resume_point(cfg, env, run_dir, (*tasks.RUN_FIELDS, *method.run_fields))
+    resumed = startup.find_resume_point(cfg, env, run_dir,
+                                        (*tasks.RUN_FIELDS, *optim.RUN_FIELDS, *method.run_fields))
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     task = build_task(cfg, env)
     model = task.model.to(env.device)
@@ -195,9 +196,7 @@ def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method) -
     """
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(method.param_groups(model, cfg), lr=cfg.lr,
-                                momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
-                                weight_decay=cfg.weight_decay)
+    optimizer = method.build_optimizer(model, cfg)
     wrapped = dist_env.wrap_ddp(model, env)
     scaler = (torch.amp.GradScaler("cuda") if cfg.amp and env.device.type == "cuda" else None)
     if scaler is not None and cfg.comm == "signum":
@@ -267,8 +266,14 @@ def _start_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
     task.start_epoch(run.progress.epoch)
     before = dict(run.model.named_parameters(remove_duplicate=False))
     change = method.on_epoch_start(run.progress.epoch, run.model)
-    if change is None:
-        return
+    if change is not None:
+        _rebuild(cfg, env, run, method, change, before, run_dir)
+
+
+def _rebuild(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, change: Change,
+             before: dict[str, torch.Tensor], run_dir: Path) -> None:
+    """After the method changed the model (``before``: its parameters until then): a fresh
+    optimizer, DDP wrapper and comm hook, with what state the method carries over."""
     fresh = _prepare(cfg, run.model, env, method)
     method.carry_state(run.optimizer, fresh.optimizer, before, run.model)
     run.optimizer, run.wrapped, run.hook_state = fresh.optimizer, fresh.wrapped, fresh.hook_state
@@ -300,6 +305,10 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
     for i, batch in enumerate(loader):
         if i < progress.step_in_epoch:  # resuming mid-epoch: these steps were taken before
             continue
+        before = dict(run.model.named_parameters(remove_duplicate=False))
+        change = method.on_step_start(progress.epoch, i, steps, run.model)
+        if change is not None:  # a switch in steps (warmup_steps), mid-epoch
+            _rebuild(cfg, env, run, method, change, before, run_dir)
         run.meter.batch_ready()
         lr = lr_at(cfg, method.schedule_step(progress.global_step, steps), steps)
         loss, bad = _step(cfg, env, run, method, task, batch, i, lr)
