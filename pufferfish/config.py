@@ -58,7 +58,7 @@ class TrainConfig:
     train_subset: int = 0  # use only the first N training examples (0: all)
     test_subset: int = 0  # use only the first N test examples (0: all)
     # The method
-    mode: str = "pufferfish"  # full, pufferfish (warm-up then factorize), lowrank (from step 0)
+    mode: str = "pufferfish"  # full, pufferfish (warm-up then factorize), lowrank (from step 0), galore
     warmup_epochs: str = "2"  # full-rank epochs before the switch, or "auto"
     min_warmup_epochs: int = 1  # warmup_epochs auto: never switch before this epoch
     max_warmup_epochs: int = 0  # warmup_epochs auto: switch here at the latest (0: the rule below)

@@ -160,6 +160,10 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         with _signals_deferred():  # rows of the epoch being redone go
             writer.truncate(run.progress.epoch)
     _write_config(cfg, env, run_dir)
+    if cfg.compile:
+        # In place (the same module, the same state_dict keys): DDP calls the compiled forward,
+        # and the modules a switch swaps in fail dynamo's guards once: one recompilation.
+        run.model.compile(backend=cfg.compile_backend)
 
     total = method.total_epochs(cfg)
     while run.progress.epoch < total:
@@ -169,7 +173,8 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         row = _train_epoch(cfg, env, run, method, task, run_dir)
         row.update(task.evaluate(run.model, env))
         if run.figures is None:  # recounted only when the method changed the model
-            run.figures = method.model_figures(run.model, task.example_input(env.device))
+            with _eager():
+                run.figures = method.model_figures(run.model, task.example_input(env.device))
         row.update(run.figures)
         row.update(method.on_epoch_end(epoch, run.model))
         with _signals_deferred():
@@ -265,7 +270,8 @@ def _start_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
     for the changed parameters."""
     task.start_epoch(run.progress.epoch)
     before = dict(run.model.named_parameters(remove_duplicate=False))
-    change = method.on_epoch_start(run.progress.epoch, run.model)
+    with _eager():
+        change = method.on_epoch_start(run.progress.epoch, run.model)
     if change is not None:
         _rebuild(cfg, env, run, method, change, before, run_dir)
 
@@ -306,7 +312,8 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
         if i < progress.step_in_epoch:  # resuming mid-epoch: these steps were taken before
             continue
         before = dict(run.model.named_parameters(remove_duplicate=False))
-        change = method.on_step_start(progress.epoch, i, steps, run.model)
+        with _eager():
+            change = method.on_step_start(progress.epoch, i, steps, run.model)
         if change is not None:  # a switch in steps (warmup_steps), mid-epoch
             _rebuild(cfg, env, run, method, change, before, run_dir)
         run.meter.batch_ready()
@@ -386,6 +393,13 @@ def _progress_bar(cfg: TrainConfig, env: DistEnv, progress: Progress, steps: int
     return tqdm(total=steps, initial=progress.step_in_epoch,
                 desc=f"epoch {progress.epoch + 1}/{cfg.epochs}",
                 disable=not (env.is_main and cfg.progress), leave=False, mininterval=1.0)
+
+
+def _eager() -> contextlib.AbstractContextManager:
+    """Outside the training step the model runs eagerly under ``--compile``: the switch and the
+    figures run it under torch's flop counter, and dynamo skips a frame it met under a dispatch
+    mode for good (measured: no recompilation after the switch, the rest of the run eager)."""
+    return torch.compiler.set_stance("force_eager")
 
 
 def _autocast(cfg: TrainConfig, env: DistEnv) -> contextlib.AbstractContextManager:
