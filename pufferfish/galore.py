@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError, TrainConfig
-from ..lowrank import factorize
-from ..method import FullRankMethod
-from ..training.optim import decay_split
+from .config import ConfigError, TrainConfig
+from .lowrank import factorize
+from .method import FullRankMethod
+from .training.optim import decay_split
 
-__all__ = ["GaLoreMethod", "galore_ranks"]
+__all__ = ["GaLoreMethod", "galore_optimizer", "galore_ranks"]
 
 
 def galore_ranks(model: nn.Module, cfg: TrainConfig) -> dict[str, int]:
@@ -58,7 +58,7 @@ class GaLoreMethod(FullRankMethod):
 
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__(cfg)
-        self.optimizer_class = _checkpointable_galore()  # the package is checked now: exit 2
+        _checkpointable_galore()  # the package is checked now: a missing one is exit 2
         self.ranks: dict[str, int] = {}
 
     def setup(self, model: nn.Module, example_input: Any, cfg: TrainConfig) -> None:
@@ -69,20 +69,7 @@ class GaLoreMethod(FullRankMethod):
                               "models with linear layers (transformer, llama)")
 
     def build_optimizer(self, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-        """GaLore groups (one per rank, decayed) for the projected weights, then AdamW's."""
-        named = dict(model.named_parameters())
-        projected: dict[int, list[torch.Tensor]] = {}
-        for name, rank in self.ranks.items():
-            projected.setdefault(rank, []).append(named[name])
-        chosen = {id(p) for ps in projected.values() for p in ps}
-        groups = [{"params": ps, "weight_decay": cfg.weight_decay, "rank": rank,
-                   "update_proj_gap": cfg.galore_update_proj_gap, "scale": cfg.galore_scale,
-                   "projection_type": cfg.galore_proj_type}
-                  for rank, ps in sorted(projected.items())]
-        rest = [p for p in model.parameters() if id(p) not in chosen]
-        groups += decay_split([{"params": rest, "weight_decay": cfg.weight_decay}], model)
-        return self.optimizer_class(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas),
-                                    eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        return galore_optimizer(model, self.ranks, cfg)
 
     def model_figures(self, model: nn.Module, example_input: Any) -> dict[str, Any]:
         return {**super().model_figures(model, example_input), "galore_params": len(self.ranks)}
@@ -92,6 +79,25 @@ class GaLoreMethod(FullRankMethod):
 
     def load_state_dict(self, state: dict[str, Any], model: nn.Module) -> None:
         self.ranks = dict(state["ranks"])
+
+
+def galore_optimizer(model: nn.Module, ranks: dict[str, int],
+                     cfg: TrainConfig) -> torch.optim.Optimizer:
+    """GaLore groups (one per rank, decayed) for the weights in ``ranks``, then AdamW's decay /
+    no-decay groups for every other parameter; ``cfg``'s LR, betas, epsilon and GaLore keys."""
+    named = dict(model.named_parameters())
+    projected: dict[int, list[torch.Tensor]] = {}
+    for name, rank in ranks.items():
+        projected.setdefault(rank, []).append(named[name])
+    chosen = {id(p) for ps in projected.values() for p in ps}
+    groups = [{"params": ps, "weight_decay": cfg.weight_decay, "rank": rank,
+               "update_proj_gap": cfg.galore_update_proj_gap, "scale": cfg.galore_scale,
+               "projection_type": cfg.galore_proj_type}
+              for rank, ps in sorted(projected.items())]
+    rest = [p for p in model.parameters() if id(p) not in chosen]
+    groups += decay_split([{"params": rest, "weight_decay": cfg.weight_decay}], model)
+    return _checkpointable_galore()(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas),
+                                    eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
 
 
 def _checkpointable_galore() -> type[torch.optim.Optimizer]:
