@@ -31,6 +31,16 @@ WARMUP_ALLOWED = "an integer >= 0, a percentage of the epochs such as '20%', or 
 SCHEDULES = ("multistep", "cosine", "constant")
 NONFINITE = ("stop", "skip")
 SWITCH_MOMENTUM = ("reset", "project")
+OPTIMIZERS = ("auto", "sgd", "adamw")
+GALORE_PROJ_TYPES = ("std", "reverse_std", "right", "left", "full")
+# Defaults that differ by model: load_config applies them to the keys that neither the TOML file
+# nor a flag sets, and optimizer "auto" reads its choice here (sgd for a model not listed: the
+# paper's recipe for the CNNs, the LSTM and the small transformer is unchanged). The LM recipe:
+# AdamW with decay / no-decay groups, linear LR warm-up then cosine decay, clipping at 1.
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1, "schedule": "cosine",
+              "lr_warmup_epochs": 0.1, "grad_clip": 1.0},
+}
 # The automatic switch's default cap (max_warmup_epochs 0): a tenth of the run, the paper's warm-up,
 # but at least this many optimizer steps, which the short-run grids needed (docs/benchmarks.md).
 CAP_FRACTION, CAP_MIN_STEPS = 0.1, 150  # the optimizer state of the factors at the switch
@@ -55,7 +65,7 @@ class TrainConfig:
     train_subset: int = 0  # use only the first N training examples (0: all)
     test_subset: int = 0  # use only the first N test examples (0: all)
     # The method
-    mode: str = "pufferfish"  # full, pufferfish (warm-up, then factorize), lowrank (from step 0), lth, prune
+    mode: str = "pufferfish"  # full, pufferfish (warm-up, then factorize), lowrank (from step 0), galore, lth, prune
     warmup_epochs: str = "20%"  # full-rank epochs before the switch: N, P% of the epochs, or auto
     min_warmup_epochs: int = 1  # warmup_epochs auto: never switch before this epoch
     max_warmup_epochs: int = 0  # warmup_epochs auto: switch here at the latest (0: a tenth of the run, >= 150 steps)
@@ -70,6 +80,10 @@ class TrainConfig:
     extra_bn: bool = False  # BatchNorm between the two factors of each conv
     frobenius_decay: float = 0.0  # λ of Frobenius decay on low-rank layers (0: plain weight decay)
     switch_momentum: str = "reset"  # at the switch: reset (the paper) or project onto the factors
+    warmup_steps: float = 0.0  # switch before optimizer step N, or this fraction of the run if < 1 (0: off)
+    galore_update_proj_gap: int = 200  # galore: optimizer steps between the projectors' SVDs
+    galore_scale: float = 0.25  # galore: scale of the update projected back (the paper's 0.25)
+    galore_proj_type: str = "std"  # galore: std, reverse_std, right, left, full
     # Baselines (pufferfish.baselines): lth = lottery ticket, prune = network slimming
     target_params: int = 0  # lth/prune: total parameter count to reach (0: by rounds/prune_ratio)
     rounds: int = 0  # lth: pruning rounds L, each retrained `epochs` (0: what target needs, else 3)
@@ -83,10 +97,13 @@ class TrainConfig:
     epochs: int = 10  # passes over the training data
     batch_size: int = 128  # examples per step, per process
     eval_batch_size: int = 512  # examples per forward pass when testing
-    lr: float = 0.1  # SGD learning rate (after the LR warm-up)
+    optimizer: str = "auto"  # sgd, adamw (auto: the model's default in MODEL_DEFAULTS, else sgd)
+    lr: float = 0.1  # learning rate (after the LR warm-up; llama: 1e-3)
     momentum: float = 0.9  # SGD momentum (0: none)
     nesterov: bool = False  # Nesterov momentum
-    weight_decay: float = 1e-4  # SGD weight decay (L2)
+    weight_decay: float = 1e-4  # weight decay (SGD: L2; AdamW: decoupled, not on norms/biases/embeddings)
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw, galore: beta1, beta2
+    adam_eps: float = 1e-8  # adamw, galore: epsilon
     schedule: str = "multistep"  # learning rate: multistep (x0.1 at milestones), cosine, constant
     milestones: list[float] = field(default_factory=lambda: [0.5, 0.75])  # multistep: LR x0.1 at these fractions of the epochs
     lr_warmup_epochs: float = 0.0  # linear LR warm-up from 0
@@ -116,6 +133,8 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads per process (0: torch's default)
     channels_last: bool = True  # conv weights in NHWC memory order: faster conv kernels (CPU, GPU)
     progress: bool = True  # tqdm progress bar on rank 0
+    compile: bool = False  # torch.compile the model (compiled again once after the switch)
+    compile_backend: str = "inductor"  # torch.compile backend (eager, aot_eager: for debugging)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -157,7 +176,7 @@ class TrainConfig:
                                   "0% <= P% < 100%")
         elif self.warmup_epochs != "auto":
             w = _int("warmup_epochs", self.warmup_epochs, WARMUP_ALLOWED)
-            if self.mode == "pufferfish" and not 0 <= w < self.epochs:
+            if self.mode == "pufferfish" and not self.warmup_steps and not 0 <= w < self.epochs:
                 raise ConfigError(f"warmup_epochs {w} is invalid with epochs {self.epochs}: "
                                   f"allowed 0 <= warmup_epochs < epochs, or 'auto'")
         if self.warmup_epochs == "auto" and self.mode == "pufferfish":
@@ -177,6 +196,7 @@ class TrainConfig:
             raise ConfigError("overwrite true is invalid with resume 'auto' (continue the run if "
                               "there is one): allowed one of them")
         self._validate_baselines()
+        self._validate_optimizer()
         if sorted(self.milestones) != list(self.milestones) or not all(
                 0 < m < 1 for m in self.milestones):
             raise ConfigError(f"milestones {self.milestones!r} are invalid: allowed increasing "
@@ -194,6 +214,24 @@ class TrainConfig:
         if self.vocab_size < MIN_VOCAB:
             raise ConfigError(f"vocab_size {self.vocab_size} is too small for a byte-level BPE: "
                               f"allowed >= {MIN_VOCAB} (256 bytes and <|endoftext|>)")
+    def _validate_optimizer(self) -> None:
+        """The AdamW/GaLore keys and the switch in steps."""
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            raise ConfigError(f"adam_betas {self.adam_betas!r} are invalid: allowed two numbers "
+                              "in [0, 1), e.g. 0.9,0.999")
+        _positive("adam_eps", self.adam_eps)
+        _positive("galore_scale", self.galore_scale)
+        _positive("galore_update_proj_gap", self.galore_update_proj_gap)
+        w = self.warmup_steps
+        if not (math.isfinite(w) and w >= 0 and (w < 1 or w == int(w))):
+            raise ConfigError(f"warmup_steps {w!r} is invalid: allowed an integer number of "
+                              "steps >= 1, a fraction of the run in (0, 1), or 0 (off)")
+        if w and self.warmup_epochs == "auto" and self.mode == "pufferfish":
+            raise ConfigError("warmup_steps is invalid with warmup_epochs 'auto': allowed one "
+                              "of them")
+        if self.mode == "galore" and self.rank_ratio == "auto":
+            raise ConfigError("rank_ratio 'auto' is invalid with mode 'galore': allowed a "
+                              "number in (0, 1]")
 
     def _validate_baselines(self) -> None:
         """The ``lth``/``prune`` keys (see :mod:`pufferfish.baselines`)."""
@@ -255,6 +293,21 @@ class TrainConfig:
         return min(want, self.latest_auto_switch)
 
     @property
+    def optimizer_name(self) -> str:
+        """``optimizer`` with ``auto`` resolved by :data:`MODEL_DEFAULTS` (else ``sgd``)."""
+        if self.optimizer != "auto":
+            return self.optimizer
+        return MODEL_DEFAULTS.get(self.model, {}).get("optimizer", "sgd")
+
+    def switch_step(self, total_steps: int) -> int | None:
+        """The optimizer step before which the switch happens (``warmup_steps``), or None."""
+        if not self.warmup_steps:
+            return None
+        if self.warmup_steps < 1:
+            return round(self.warmup_steps * total_steps)
+        return int(self.warmup_steps)
+
+    @property
     def ratio(self) -> float | str:
         return "auto" if self.rank_ratio == "auto" else float(self.rank_ratio)
 
@@ -294,7 +347,8 @@ def choices() -> dict[str, tuple[str, ...]]:
     """The fields that take one of a list of names, and the names (checks and ``--help``)."""
     return {"model": tuple(MODELS), "mode": tuple(mode_names()), "comm": tuple(hook_names()),
             "schedule": SCHEDULES, "backend": ("auto", "gloo", "nccl"), "nonfinite": NONFINITE,
-            "switch_momentum": SWITCH_MOMENTUM}
+            "switch_momentum": SWITCH_MOMENTUM, "optimizer": OPTIMIZERS,
+            "galore_proj_type": GALORE_PROJ_TYPES}
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -426,6 +480,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             values[key] = coerce(key, value)
     for key, value in (overrides or {}).items():
         values[key] = coerce(key, value)
+    model = values.get("model", FIELDS["model"].default)
+    for key, value in MODEL_DEFAULTS.get(model, {}).items():
+        values.setdefault(key, value)
     return TrainConfig(**values)
 
 

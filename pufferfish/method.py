@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from .auto import frobenius_decay, frobenius_decay_params
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 from .lowrank import LowRankModule, count_macs
-from .switch import FactorizationPlan, Switch, SwitchPolicy, projected_momentum
+from .switch import FactorizationPlan, Switch, SwitchPolicy, projected_state
 from .training.methods.base import Change, Method
 
 __all__ = ["FullRankMethod", "PufferfishMethod"]
@@ -42,8 +42,8 @@ class PufferfishMethod(FullRankMethod):
     warm-up, the initial weights' SVD: the paper's "spectral initialization")."""
 
     name = "pufferfish"
-    run_fields = ("mode", "warmup_epochs", "rank_ratio", "preset", "keep", "keep_first",
-                  "extra_bn", "switch_momentum")
+    run_fields = ("mode", "warmup_epochs", "warmup_steps", "rank_ratio", "preset", "keep",
+                  "keep_first", "extra_bn", "switch_momentum")
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
@@ -61,29 +61,57 @@ class PufferfishMethod(FullRankMethod):
         self.switch.plan.example_input = example_input
         self.switch.observe(0, model)  # checks the plan; automatic: the stable ranks at init
 
+    @property
+    def in_steps(self) -> bool:
+        """Whether the switch point is in optimizer steps (``warmup_steps``), not epochs."""
+        return self.cfg.mode == "pufferfish" and self.cfg.warmup_steps > 0
+
     def on_epoch_start(self, epoch: int, model: nn.Module) -> Change | None:
-        if not self.switch.due(epoch, model):
+        if self.in_steps or not self.switch.due(epoch, model):
             return None
+        return self._switch(epoch, model, f"epoch {epoch}", {})
+
+    def on_step_start(self, epoch: int, step: int, steps: int, model: nn.Module) -> Change | None:
+        """``warmup_steps``: the switch before global step ``cfg.switch_step`` (mid-epoch)."""
+        if not self.in_steps or self.switch.switched:
+            return None
+        total = self.cfg.epochs * steps
+        at = self.cfg.switch_step(total)
+        if at is None or at >= total:
+            raise ConfigError(f"warmup_steps {self.cfg.warmup_steps:g} is invalid with "
+                              f"{total} optimizer steps in the run: allowed a switch before the "
+                              "last step")
+        global_step = epoch * steps + step
+        if global_step < at:
+            return None
+        return self._switch(epoch, model, f"step {global_step} (epoch {epoch}, step {step})",
+                            {"step": global_step})
+
+    def _switch(self, epoch: int, model: nn.Module, when: str,
+                record: dict[str, Any]) -> Change:
         report = self.switch.switch(epoch, model)
-        text = f"switching to the low-rank model at epoch {epoch}:\n{report}"
+        text = f"switching to the low-rank model at {when}:\n{report}"
         decided = self.switch.describe()
         return Change("factorization", text + ("\n" + decided if decided else ""),
-                      {"epoch": epoch, **report.to_dict(), "decisions": self.switch.plan.decisions})
+                      {"epoch": epoch, **record, **report.to_dict(),
+                       "decisions": self.switch.plan.decisions})
 
     def carry_state(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer,
                     before: dict[str, torch.Tensor], model: nn.Module) -> None:
         """``switch_momentum = "project"``: every parameter that survives the switch keeps its
-        optimizer state, and each low-rank layer's factors get the momentum of the dense weights
-        they replace, projected by the chain rule (:meth:`LowRankModule.project_dense_state`).
-        ``"reset"`` (the paper): nothing carried, all momentum starts from zero."""
+        optimizer state, and each low-rank layer's factors get the state of the dense weights
+        they replace, projected (:func:`~pufferfish.switch.projected_state`: SGD's momentum and
+        Adam's first moment by the chain rule, Adam's second moment through the squared factors,
+        Adam's step count kept). ``"reset"`` (the paper): nothing carried, every parameter
+        starts with empty state (Adam: moments zero, bias correction from step 0)."""
         if self.cfg.switch_momentum != "project":
             return
         for p in model.parameters():
             if p in old.state:
                 new.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
                                 for k, v in old.state[p].items()}
-        for p, buf in projected_momentum(old.state, before, model).items():
-            new.state[p] = {"momentum_buffer": buf}
+        for p, entry in projected_state(old.state, before, model).items():
+            new.state[p] = entry
 
     def on_step_end(self, epoch: int, step: int, steps: int, model: nn.Module) -> None:
         # Between epoch ends, feed the switch detector every N steps so that its window (in

@@ -48,7 +48,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .distributed.env import ddp_options, rewrap_ddp
-from .switch import FactorizationPlan, Switch, SwitchPolicy, projected_momentum
+from .switch import FactorizationPlan, Switch, SwitchPolicy, projected_state
 
 __all__ = ["ParameterSwap", "Recipe", "swap_parameters"]
 
@@ -78,9 +78,8 @@ class Recipe:
         switch_threshold, switch_window: the automatic switch's plateau test, see
             :class:`~pufferfish.auto.SwitchDetector` (change per epoch, window in epochs).
         switch_momentum: ``"reset"`` (the paper): a replaced weight's state is deleted;
-            ``"project"``: its SGD momentum is projected onto its factors
-            (:func:`~pufferfish.switch.projected_momentum`). Other optimizers' state (Adam's
-            moments) is reset either way.
+            ``"project"``: its SGD momentum or Adam moments are projected onto its factors
+            (:func:`~pufferfish.switch.projected_state`); other state keys start empty.
     """
 
     def __init__(
@@ -198,12 +197,12 @@ class Recipe:
         before = dict(inner.named_parameters(remove_duplicate=False))
         self.switch_owner.switch(epoch, inner)
         if optimizer is not None:
-            carried = (projected_momentum(optimizer.state, before, inner)
+            carried = (projected_state(optimizer.state, before, inner)
                        if self.switch_momentum == "project" else {})
             self.parameter_swap = swap_parameters(
                 optimizer, before, dict(inner.named_parameters(remove_duplicate=False)))
-            for p, buf in carried.items():
-                optimizer.state[p]["momentum_buffer"] = buf
+            for p, entry in carried.items():
+                optimizer.state[p].update(entry)
         if isinstance(model, DistributedDataParallel):
             model = rewrap_ddp(model, register_hooks=self.on_wrap is None)
             if self.on_wrap is not None:

@@ -18,6 +18,7 @@ data-dependent decision is rank 0's, broadcast, so replicas cannot diverge.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import warnings
 from collections.abc import Iterable, Mapping
@@ -40,7 +41,7 @@ from .lowrank import FactorizationReport, LowRankModule, factorize
 from .lowrank.factorize import factorizable_modules, format_table
 from .lowrank.presets import presets_of
 
-__all__ = ["FactorizationPlan", "Switch", "SwitchPolicy", "projected_momentum"]
+__all__ = ["FactorizationPlan", "Switch", "SwitchPolicy", "projected_momentum", "projected_state"]
 
 
 class SwitchPolicy:
@@ -375,29 +376,70 @@ class Switch:
         self.policy.load_state_dict(state, inner, self.plan.static_keep(inner))
 
 
-def projected_momentum(state: Mapping[torch.Tensor, Mapping[str, Any]],
-                       before: Mapping[str, torch.Tensor], model: nn.Module
-                       ) -> dict[torch.Tensor, torch.Tensor]:
-    """The momentum of each new low-rank parameter of ``model``, from the SGD momentum buffers
-    in ``state`` (an optimizer's ``state``) of the dense parameters it replaced (``before``: the
-    named parameters before the switch), by :meth:`LowRankModule.project_dense_state`.
+# How each optimizer-state entry of a dense weight carries onto the factors that replace it
+# (switch_momentum "project"): an entry linear in the gradient (SGD's momentum, Adam's first
+# moment) by the chain rule; Adam's second moment, an average of squared gradients, through the
+# squared factors; a step count is copied, so Adam's bias correction matches the carried moments.
+LINEAR_STATE = ("momentum_buffer", "exp_avg")
+SQUARED_STATE = ("exp_avg_sq",)
 
-    The optional alternative to the paper's momentum reset (``switch_momentum = "project"``):
-    the factors start with the momentum they would have gathered at their current values.
+
+def projected_state(state: Mapping[torch.Tensor, Mapping[str, Any]],
+                    before: Mapping[str, torch.Tensor], model: nn.Module
+                    ) -> dict[torch.Tensor, dict[str, Any]]:
+    """The optimizer state of each new low-rank parameter of ``model``, from ``state`` (an
+    optimizer's) of the dense parameters it replaced (``before``: the named parameters before
+    the switch), by :meth:`LowRankModule.project_dense_state`.
+
+    For ``W = L R`` with gradient ``G``: ``L`` gets ``G Rᵀ``, ``R`` gets ``Lᵀ G`` (momentum,
+    ``exp_avg``); ``exp_avg_sq`` ``V`` of ``W`` becomes ``V (R∘R)ᵀ`` and ``(L∘L)ᵀ V``, the
+    expected squared factor gradient if the entries of ``G`` are uncorrelated; ``step`` is the
+    dense weight's. A parameter gets state only if every entry the dense state had could be
+    carried (else it starts empty, as after a reset).
     """
     alive = {id(p) for p in model.parameters()}
-    projected: dict[torch.Tensor, torch.Tensor] = {}
+    projected: dict[torch.Tensor, dict[str, Any]] = {}
     for name, module in model.named_modules():
         if not isinstance(module, LowRankModule):
             continue
         prefix = f"{name}." if name else ""
-        dense = {n[len(prefix):]: state[t]["momentum_buffer"] for n, t in before.items()
-                 if n.startswith(prefix) and id(t) not in alive and t in state
-                 and state[t].get("momentum_buffer") is not None}
-        if dense:
-            for n, buf in module.project_dense_state(dense).items():
-                projected[module.get_parameter(n)] = buf
+        dense = {n[len(prefix):]: state[t] for n, t in before.items()
+                 if n.startswith(prefix) and id(t) not in alive and t in state}
+        if not dense:
+            continue
+        keys = {k for st in dense.values() for k in st}
+        carried: dict[str, dict[str, Any]] = {}
+        for key in keys & {*LINEAR_STATE, *SQUARED_STATE}:
+            tensors = {n: st[key] for n, st in dense.items()
+                       if isinstance(st.get(key), torch.Tensor)}
+            source = _squared(module) if key in SQUARED_STATE else module
+            for n, value in source.project_dense_state(tensors).items():
+                carried.setdefault(n, {})[key] = value
+        steps = [st["step"] for st in dense.values() if "step" in st]
+        for n, entry in carried.items():
+            if steps:
+                entry["step"] = steps[0].clone() if isinstance(steps[0], torch.Tensor) else steps[0]
+            if set(entry) >= keys:
+                projected[module.get_parameter(n)] = entry
     return projected
+
+
+def projected_momentum(state: Mapping[torch.Tensor, Mapping[str, Any]],
+                       before: Mapping[str, torch.Tensor], model: nn.Module
+                       ) -> dict[torch.Tensor, torch.Tensor]:
+    """The SGD momentum buffer of each new low-rank parameter (see :func:`projected_state`)."""
+    return {p: st["momentum_buffer"] for p, st in projected_state(state, before, model).items()
+            if "momentum_buffer" in st}
+
+
+def _squared(module: LowRankModule) -> LowRankModule:
+    """A copy of ``module`` whose parameters are squared elementwise (the factor pairs are
+    reshapes of parameters, so its pairs are the squared factors)."""
+    ghost = copy.deepcopy(module)
+    with torch.no_grad():
+        for p in ghost.parameters():
+            p.mul_(p)
+    return ghost
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

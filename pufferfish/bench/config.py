@@ -16,7 +16,7 @@ from ..distributed.hooks import with_option_fields
 from . import accuracy as acc
 from . import projection as proj
 from .netns import parse_bandwidth
-from .step import BENCH_METHODS, HOOK_DEFAULTS, HOOK_OPTIONS, hook_for, parse_method_map
+from .step import BENCH_METHODS, HOOK_DEFAULTS, HOOK_OPTIONS, LM_MODELS, hook_for, parse_method_map
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -55,6 +55,7 @@ class BenchConfig:
     alpha: float = proj.DEFAULT_ALPHA
     probe: bool = True
     channels_last: bool = True  # conv weights NHWC, as `pufferfish train` has them by default
+    compile: bool = False  # torch.compile every method's model (compiled in the warm-up steps)
     timeout: float = 0.0  # 0: STEP_TIMEOUT per step group, no limit per training run
     out: str = "runs/bench"
     overwrite: bool = False  # replace files in --out that another command wrote
@@ -77,11 +78,14 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Check every value before any process starts (``ValueError``: CLI exit 2)."""
-        if self.model not in IMAGE_MODELS:
+        if self.model not in (*IMAGE_MODELS, *LM_MODELS):
             raise ValueError(
-                f"model {self.model!r} is invalid for the benchmark (Fashion-MNIST): "
-                f"allowed {', '.join(IMAGE_MODELS)}"
+                f"model {self.model!r} is invalid for the benchmark: allowed "
+                f"{', '.join((*IMAGE_MODELS, *LM_MODELS))}"
             )
+        if self.model in LM_MODELS and (self.train or self.accuracy_runs):
+            raise ValueError(f"model {self.model!r}: --train and --accuracy-runs are for the "
+                             f"image models ({', '.join(IMAGE_MODELS)}); step times only")
         if not self.methods:
             raise ValueError("--methods is empty: allowed a comma-separated list of "
                              + ", ".join(BENCH_METHODS))
@@ -140,7 +144,7 @@ class BenchConfig:
                 raise ValueError(f"--train-config: {e}") from None
         self._validate_accuracy()
         data = Path(self.data_dir) if self.data_dir else _default_data_dir()
-        if not self.from_results and not data.is_dir():
+        if not self.from_results and self.model in IMAGE_MODELS and not data.is_dir():
             raise ValueError(
                 f"Fashion-MNIST directory {str(data)!r} does not exist: install the Debian "
                 "package dataset-fashion-mnist or pass --data-dir"
@@ -243,6 +247,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     default=d.channels_last,
                     help="conv weights in NHWC memory order (the training default; "
                          "--no-channels-last: NCHW)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
+                    help="torch.compile every method's model (compiled in the warm-up steps)")
     ap.add_argument("--no-probe", dest="probe", action="store_false",
                     help="skip the all-reduce probe that measures each link's real rate")
     ap.add_argument("--timeout", type=float, default=d.timeout,
@@ -300,7 +306,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         **{option.key: getattr(args, option.key) for option in HOOK_OPTIONS},
         threads=args.threads,
         data_dir=args.data_dir, alpha=args.alpha_us * 1e-6, probe=args.probe,
-        channels_last=args.channels_last,
+        channels_last=args.channels_last, compile=args.compile,
         timeout=args.timeout, out=args.out, overwrite=args.overwrite, train=args.train,
         epochs=args.epochs,
         method_epochs=args.method_epochs,
@@ -320,7 +326,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 # Settings that describe a measurement, taken from the results when reused.
 _MEASURED = ("model", "width", "methods", "bandwidths", "workers", "steps", "warmup",
              "compute_steps", "batch_size", *(option.key for option in HOOK_OPTIONS), "threads",
-             "rounds", "channels_last")
+             "rounds", "channels_last", "compile")
 
 
 def results_path(path: str) -> Path:
@@ -345,5 +351,5 @@ def load_results(path: str) -> dict[str, Any]:
 
 
 def _measured_config(path: str) -> dict[str, Any]:
-    saved = {"channels_last": False, **load_results(path)["config"]}  # older: NCHW
+    saved = {"channels_last": False, "compile": False, **load_results(path)["config"]}  # older
     return {k: saved[k] for k in _MEASURED if k in saved}

@@ -180,6 +180,8 @@ def _step_argv(cfg: BenchConfig, methods: list[str], out: Path, cache: Path) -> 
     ]  # fmt: skip
     if cfg.data_dir:
         argv += ["--data-dir", cfg.data_dir]
+    if cfg.compile:
+        argv.append("--compile")
     return argv
 
 
@@ -329,6 +331,8 @@ def _train_argv(cfg: BenchConfig, method: str, run_dir: Path) -> list[str]:
         argv[4:4] = ["--config", cfg.train_config]
     if cfg.data_dir:
         argv += ["--data-dir", cfg.data_dir]
+    if cfg.compile:
+        argv.append("--compile")
     return argv
 
 

@@ -39,7 +39,10 @@ Ranks agree on everything but the timings; the record takes the slowest rank's m
 All communication goes through the hook: DDP is built with ``broadcast_buffers=False``
 (otherwise it broadcasts BatchNorm statistics in every forward, even under ``no_sync``,
 which would put an uncounted collective into ``compute_time``). Batches are real
-Fashion-MNIST minibatches, prepared before timing so data loading is never timed.
+Fashion-MNIST minibatches (language models: KJV word sequences of ``--seq-len`` tokens, words
+past id ``--vocab`` - 1 as one id), prepared before timing so data loading is never
+timed. ``galore`` is full-rank DDP with GaLore's optimizer (:mod:`pufferfish.galore`) on the layers
+Pufferfish factorizes; ``--compile`` compiles every method's model (warm-up steps include it).
 """
 
 from __future__ import annotations
@@ -62,15 +65,24 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..data import DEFAULT_FASHION_DIR, NORMALIZATION, TensorImageLoader, load_fashion_mnist
+from ..config import TrainConfig
+from ..data import (
+    DEFAULT_FASHION_DIR,
+    NORMALIZATION,
+    TensorImageLoader,
+    load_dataset,
+    load_fashion_mnist,
+)
 from ..distributed.env import cleanup, exit_process
 from ..distributed.hooks import all_hook_options, hook_names, hook_options, register_comm_hook
+from ..galore import galore_optimizer, galore_ranks
 from ..lowrank import factorize
 from ..lowrank.factorize import count_params
 from ..models import build_at_width
 from ..training.step import Replica, train_step
 
-__all__ = ["BENCH_METHODS", "HOOK_DEFAULTS", "HOOK_OPTIONS", "PUFFERFISH_RANK_RATIO", "hook_for",
+__all__ = ["BENCH_METHODS", "HOOK_DEFAULTS", "HOOK_OPTIONS", "LM_MODELS", "PUFFERFISH_RANK_RATIO",
+           "hook_for",
            "main", "method_options", "parse_method_map"]
 
 # method -> (factorize the model?, comm hook): plain DDP, every registered comm hook, Pufferfish
@@ -80,6 +92,7 @@ BENCH_METHODS: dict[str, tuple[bool, str]] = {
     "ddp": (False, "allreduce"),
     **{hook: (False, hook) for hook in hook_names() if hook != "allreduce"},
     "pufferfish": (True, "allreduce"),
+    "galore": (False, "allreduce"),  # full-size gradients, GaLore's optimizer
     **{f"pufferfish+{hook}": (True, hook) for hook in hook_names() if hook != "allreduce"},
 }
 # The hooks' options (flags --powersgd-rank, --topk-ratio, ...) and where the bench's defaults
@@ -87,6 +100,7 @@ BENCH_METHODS: dict[str, tuple[bool, str]] = {
 HOOK_OPTIONS = all_hook_options()
 HOOK_DEFAULTS: dict[str, Any] = {"powersgd_start_iter": 2}
 PUFFERFISH_RANK_RATIO = 0.25  # the paper's ratio, with the model's "paper" preset
+LM_MODELS = ("lstm", "transformer", "llama")  # timed on KJV token batches
 
 # No BatchNorm-statistics broadcast in forward (see the module docstring); newer torch
 # renamed the flag and warns about the old one.
@@ -163,12 +177,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-dir", default=None, help="decoded-tensor cache shared by workers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--seq-len", type=int, default=64, help="language models: tokens a sequence")
+    ap.add_argument("--vocab", type=int, default=2000, help="language models: vocabulary size")
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
     return ap
 
 
 def _batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list[Any]:
     """``n`` real training minibatches of this rank's shard, materialized up front."""
+    if args.model in LM_MODELS:
+        return _token_batches(args, rank, world, n)
 
     images, labels = load_fashion_mnist(
         args.data_dir or DEFAULT_FASHION_DIR, "train", cache_dir=args.cache_dir
@@ -187,22 +206,58 @@ def _batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list[An
     return out
 
 
+def _token_batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list[Any]:
+    """``n`` (input, target) batches of KJV words (batch first; the LSTM's are sequence first)."""
+    stream = load_dataset("kjv").train.clamp(max=args.vocab - 1)
+    span = args.seq_len + 1
+    count = n * args.batch_size
+    starts = (torch.arange(count) * world + rank) * span % max(1, len(stream) - span)
+    rows = torch.stack([stream[s:s + span] for s in starts.tolist()])
+    out = []
+    for chunk in rows.split(args.batch_size):
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        out.append((x.t().contiguous(), y.t().contiguous()) if args.model == "lstm" else (x, y))
+    return out
+
+
 def _build(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, int]:
     """The model (factorized for Pufferfish methods) and its full-rank parameter count."""
 
     torch.manual_seed(args.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
-    model = build_at_width(args.model, args.width, num_classes=10, in_channels=1, image_size=28)
+    if args.model in LM_MODELS:
+        model = build_at_width(args.model, args.width, vocab_size=args.vocab,
+                               max_len=args.seq_len)
+    else:
+        model = build_at_width(args.model, args.width, num_classes=10, in_channels=1,
+                               image_size=28)
     full = count_params(model)
     if factorized:
         factorize(model, rank_ratio=PUFFERFISH_RANK_RATIO, preset="paper")
     if args.channels_last:  # as training stores them (TrainConfig.channels_last)
         model.to(memory_format=torch.channels_last)
+    if args.compile:
+        model.compile()
     return model, full
+
+
+def _optimizer(args: argparse.Namespace, method: str, model: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum, or for ``galore`` GaLore's optimizer at the Pufferfish ranks."""
+    if method != "galore":
+        return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+    cfg = TrainConfig(model=args.model, rank_ratio=str(PUFFERFISH_RANK_RATIO), mode="galore",
+                      lr=args.lr, data="kjv" if args.model in LM_MODELS else "fashion-mnist")
+    return galore_optimizer(model, galore_ranks(model, cfg), cfg)
 
 
 def _train_step(replica: Replica, batch: Any) -> None:
     x, y = batch
-    train_step(replica, lambda: F.cross_entropy(replica.wrapped(x), y))
+
+    def loss() -> torch.Tensor:
+        out = replica.wrapped(x)
+        logits = out[0] if isinstance(out, tuple) else out  # language models: (logits, hidden)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    train_step(replica, loss)
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -227,7 +282,7 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
     model, full_params = _build(args, factorized)
     ddp = DistributedDataParallel(model, **_NO_BUFFER_SYNC)
     state = register_comm_hook(ddp, hook, **method_options(hook, args))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+    opt = _optimizer(args, method, model)
     replica = Replica(model, ddp, opt, hook_state=state)
     batches = iter(minibatches)
 

@@ -289,6 +289,16 @@ class LowRankMultiheadAttention(LowRankModule):
     def factor_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(proj.u.weight, proj.v.weight) for proj in self._projections()]
 
+    def project_dense_state(self, dense_state: Mapping[str, torch.Tensor]
+                            ) -> dict[str, torch.Tensor]:
+        """As every layer's, and the q, k, v biases from the thirds of ``in_proj_bias``."""
+        projected = super().project_dense_state(dense_state)
+        bias = dense_state.get("in_proj_bias")
+        if bias is not None and self.q_proj.u.bias is not None:
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), bias.chunk(3)):
+                projected.setdefault(f"{proj}.u.bias", part.detach().clone())
+        return projected
+
     # --- what code that reads a model asks (see pufferfish.lowrank.base)
 
     @classmethod

@@ -50,7 +50,7 @@ from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 from ..distributed.hooks import hook_options, register_comm_hook
 from . import checkpoint as ckpt
-from . import faults, startup, tasks
+from . import faults, optim, startup, tasks
 from .methods import Change, Method, build_method
 from .metrics import EvalLog, MetricsWriter, quality_key
 from .schedule import lr_at
@@ -150,7 +150,8 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
                           f"{cfg.switch_epoch} full-rank epochs before the switch")
     # Before anything is written or loaded: rank 0 decides what happens to the run directory
     # (resume, start, or refuse) and every rank learns it.
-    resumed = startup.find_resume_point(cfg, env, run_dir, (*tasks.RUN_FIELDS, *method.run_fields))
+    resumed = startup.find_resume_point(cfg, env, run_dir,
+                                        (*tasks.RUN_FIELDS, *optim.RUN_FIELDS, *method.run_fields))
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     task = build_task(cfg, env)
     model = task.model.to(env.device)
@@ -168,6 +169,10 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
             writer.truncate(run.progress.epoch)
             evals.truncate(run.progress.global_step)
     _write_config(cfg, env, run_dir)
+    if cfg.compile:
+        # In place (the same module, the same state_dict keys): DDP calls the compiled forward,
+        # and the modules a switch swaps in fail dynamo's guards once: one recompilation.
+        run.model.compile(backend=cfg.compile_backend)
 
     total = method.total_epochs(cfg)
     while run.progress.epoch < total:
@@ -177,7 +182,8 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         row = _train_epoch(cfg, env, run, method, task, run_dir, evals)
         row.update(task.evaluate(run.model, env))
         if run.figures is None:  # recounted only when the method changed the model
-            run.figures = method.model_figures(run.model, task.example_input(env.device))
+            with _eager():
+                run.figures = method.model_figures(run.model, task.example_input(env.device))
         row.update(run.figures)
         row.update(method.on_epoch_end(epoch, run.model))
         with _signals_deferred():
@@ -204,9 +210,7 @@ def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method) -
     """
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(method.param_groups(model, cfg), lr=cfg.lr,
-                                momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
-                                weight_decay=cfg.weight_decay)
+    optimizer = method.build_optimizer(model, cfg)
     wrapped = dist_env.wrap_ddp(model, env)
     scaler = (torch.amp.GradScaler("cuda") if cfg.amp and env.device.type == "cuda" else None)
     if scaler is not None and cfg.comm == "signum":
@@ -275,9 +279,16 @@ def _start_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
     for the changed parameters."""
     task.start_epoch(run.progress.epoch)
     before = dict(run.model.named_parameters(remove_duplicate=False))
-    change = method.on_epoch_start(run.progress.epoch, run.model)
-    if change is None:
-        return
+    with _eager():
+        change = method.on_epoch_start(run.progress.epoch, run.model)
+    if change is not None:
+        _rebuild(cfg, env, run, method, change, before, run_dir)
+
+
+def _rebuild(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, change: Change,
+             before: dict[str, torch.Tensor], run_dir: Path) -> None:
+    """After the method changed the model (``before``: its parameters until then): a fresh
+    optimizer, DDP wrapper and comm hook, with what state the method carries over."""
     fresh = _prepare(cfg, run.model, env, method)
     method.carry_state(run.optimizer, fresh.optimizer, before, run.model)
     run.optimizer, run.wrapped, run.hook_state = fresh.optimizer, fresh.wrapped, fresh.hook_state
@@ -309,6 +320,11 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
     for i, batch in enumerate(loader):
         if i < progress.step_in_epoch:  # resuming mid-epoch: these steps were taken before
             continue
+        before = dict(run.model.named_parameters(remove_duplicate=False))
+        with _eager():
+            change = method.on_step_start(progress.epoch, i, steps, run.model)
+        if change is not None:  # a switch in steps (warmup_steps), mid-epoch
+            _rebuild(cfg, env, run, method, change, before, run_dir)
         run.meter.batch_ready()
         lr = lr_at(cfg, method.schedule_step(progress.global_step, steps), steps)
         loss, bad = _step(cfg, env, run, method, task, batch, i, lr)
@@ -399,6 +415,13 @@ def _progress_bar(cfg: TrainConfig, env: DistEnv, progress: Progress, steps: int
     return tqdm(total=steps, initial=progress.step_in_epoch,
                 desc=f"epoch {progress.epoch + 1}/{cfg.epochs}",
                 disable=not (env.is_main and cfg.progress), leave=False, mininterval=1.0)
+
+
+def _eager() -> contextlib.AbstractContextManager:
+    """Outside the training step the model runs eagerly under ``--compile``: the switch and the
+    figures run it under torch's flop counter, and dynamo skips a frame it met under a dispatch
+    mode for good (measured: no recompilation after the switch, the rest of the run eager)."""
+    return torch.compiler.set_stance("force_eager")
 
 
 def _autocast(cfg: TrainConfig, env: DistEnv) -> contextlib.AbstractContextManager:

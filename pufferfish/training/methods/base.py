@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ...config import TrainConfig
+from ..optim import build_optimizer
 
 __all__ = ["Change", "Method"]
 
@@ -59,6 +60,11 @@ class Method:
         """The optimizer's parameter groups (rebuilt with the optimizer after each change)."""
         return [{"params": list(model.parameters()), "weight_decay": cfg.weight_decay}]
 
+    def build_optimizer(self, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+        """The optimizer on :meth:`param_groups` (SGD or AdamW, ``cfg.optimizer``); a method
+        with an optimizer of its own (GaLore) overrides this."""
+        return build_optimizer(cfg, self.param_groups(model, cfg), model)
+
     def on_epoch_start(self, epoch: int, model: nn.Module) -> Change | None:
         """Change ``model`` in place before ``epoch`` if the method says so; return what changed.
 
@@ -71,6 +77,11 @@ class Method:
         """After a change, the loop's fresh optimizer ``new`` may inherit state from ``old``
         (``before``: the model's named parameters before the change). Default: none, every
         parameter starts from zero momentum."""
+
+    def on_step_start(self, epoch: int, step: int, steps: int, model: nn.Module) -> Change | None:
+        """Before step ``step`` (0-based) of ``steps`` in ``epoch``: as :meth:`on_epoch_start`,
+        a change of the model mid-epoch (the switch at ``warmup_steps``), or None."""
+        return None
 
     def on_step_end(self, epoch: int, step: int, steps: int, model: nn.Module) -> None:
         """After optimizer step ``step`` (1-based) of ``steps`` in ``epoch``: observe only."""

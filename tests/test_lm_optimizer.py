@@ -1,0 +1,175 @@
+"""The LM optimizer (AdamW with decay / no-decay groups), the switch in optimizer steps
+(mid-epoch) and Adam's moments across it: real runs of a tiny transformer, real gloo groups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_training import metrics, run_cli, tiny_corpus
+from torch import nn
+
+import pufferfish as pf
+from pufferfish import config as config_module
+from pufferfish.config import TrainConfig, load_config
+from pufferfish.models import build_at_width
+from pufferfish.switch import projected_state
+from pufferfish.training.checkpoint import latest_checkpoint
+from pufferfish.training.optim import build_optimizer
+
+
+def tiny_transformer_args(tmp_path: Path, *extra: str) -> list[str]:
+    """A 4-layer transformer of width 32 on :func:`tiny_corpus`: 59 steps per epoch."""
+    return ["--model", "transformer", "--width", "0.125", "--data", str(tiny_corpus(tmp_path)),
+            "--batch-size", "4", "--bptt", "10", "--optimizer", "adamw", "--lr", "0.003",
+            "--weight-decay", "0.1", "--schedule", "cosine", "--lr-warmup-epochs", "0.2",
+            "--threads", "1", "--no-progress", *extra]
+
+
+def _names(model: nn.Module, params: list[torch.Tensor]) -> set[str]:
+    ids = {id(p) for p in params}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+def test_adamw_groups_decay_weights_not_norms_biases_or_embeddings() -> None:
+    model = build_at_width("transformer", 0.125, vocab_size=50)
+    cfg = TrainConfig(model="transformer", data="kjv", optimizer="adamw", weight_decay=0.1)
+    opt = build_optimizer(cfg, [{"params": list(model.parameters()), "weight_decay": 0.1}], model)
+    assert isinstance(opt, torch.optim.AdamW)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    decayed = _names(model, decay["params"])
+    assert "encoder.layers.1.linear1.weight" in decayed
+    assert "encoder.layers.1.self_attn.in_proj_weight" in decayed
+    assert all(p.dim() >= 2 for p in decay["params"])
+    rest = _names(model, no_decay["params"])
+    # biases, norm scales, and the embeddings (the head is tied to embed.weight)
+    assert {"embed.weight", "pos_embed.weight", "encoder.norm.weight",
+            "encoder.layers.1.linear1.bias"} <= rest
+    assert len(decayed) + len(rest) == len(list(model.parameters()))
+    # The factors that replace a weight are decayed like it: by the rule in a rebuilt optimizer,
+    # and in place (Recipe's swap_parameters) in the user's own AdamW.
+    before = dict(model.named_parameters(remove_duplicate=False))
+    pf.factorize(model, rank_ratio=0.25, preset="paper")
+    rebuilt = build_optimizer(cfg, [{"params": list(model.parameters()),
+                                     "weight_decay": 0.1}], model)
+    factors = {n for n, p in model.named_parameters() if n not in before}
+    assert factors and factors <= {n for n in _names(model, rebuilt.param_groups[0]["params"])
+                                   } | {n for n in factors if n.endswith("bias")}
+    pf.recipe.swap_parameters(opt, before, dict(model.named_parameters(remove_duplicate=False)))
+    for n, p in model.named_parameters():
+        if n in factors:
+            group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+            assert group["weight_decay"] == (0.1 if p.dim() >= 2 else 0.0), n
+
+
+def test_optimizer_defaults_by_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The paper's models keep SGD (the transformer too: its recipe is unchanged).
+    for model in ("resnet18", "transformer"):
+        assert load_config(overrides={"model": model}).optimizer_name == "sgd"
+    assert config_module.MODEL_DEFAULTS["llama"]["optimizer"] == "adamw"
+    # A model's defaults fill what the user did not set; a flag or the file wins.
+    monkeypatch.setitem(config_module.MODEL_DEFAULTS, "transformer",
+                        config_module.MODEL_DEFAULTS["llama"])
+    cfg = load_config(overrides={"model": "transformer", "lr": "0.01"})
+    assert (cfg.optimizer_name, cfg.lr, cfg.schedule) == ("adamw", 0.01, "cosine")
+    assert TrainConfig(model="transformer", data="kjv").optimizer_name == "adamw"  # auto
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--optimizer", "lamb"], "optimizer 'lamb' is invalid: allowed auto, sgd, adamw"),
+    (["--warmup-steps", "2.5"], "warmup_steps 2.5 is invalid"),
+    (["--warmup-steps", "-1"], "warmup_steps -1.0 is invalid"),
+    (["--warmup-steps", "10", "--warmup-epochs", "auto"],
+     "warmup_steps is invalid with warmup_epochs 'auto'"),
+    (["--adam-betas", "0.9,1.5"], "adam_betas [0.9, 1.5] are invalid"),
+])
+def test_bad_optimizer_input_exits_2(args: list[str], message: str) -> None:
+    result = run_cli("train", *args)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and message in result.stderr
+
+
+def test_warmup_steps_past_the_run_exits_2(tmp_path: Path) -> None:
+    result = run_cli("train", *tiny_transformer_args(tmp_path, "--epochs", "1",
+                                                     "--warmup-steps", "59",
+                                                     "--out", str(tmp_path / "run")))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "warmup_steps 59 is invalid with 59 optimizer steps" in result.stderr
+
+
+def test_projected_adam_state_follows_the_chain_rule() -> None:
+    model = nn.Sequential(nn.Linear(12, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(5, 12)).square().sum().backward()
+        opt.step()
+    before = dict(model.named_parameters())
+    dense = opt.state[model[0].weight]
+    pf.factorize(model, rank_ratio=0.5)
+    low = model[0]
+    (left, right), = low.factor_pairs()
+    carried = projected_state(opt.state, before, model)
+    by_name = {n: carried[p] for n, p in low.named_parameters() if p in carried}
+    assert set(by_name) == {n for n, _ in low.named_parameters()}  # factors and bias
+    left_name = next(n for n, p in low.named_parameters() if p.shape == left.shape)
+    right_name = next(n for n, p in low.named_parameters() if p.shape == right.shape
+                      and n != left_name)
+    m, v = dense["exp_avg"], dense["exp_avg_sq"]
+    torch.testing.assert_close(by_name[left_name]["exp_avg"].reshape(left.shape), m @ right.T)
+    torch.testing.assert_close(by_name[right_name]["exp_avg"].reshape(right.shape), left.T @ m)
+    torch.testing.assert_close(by_name[left_name]["exp_avg_sq"].reshape(left.shape),
+                               v @ (right * right).T)
+    torch.testing.assert_close(by_name[right_name]["exp_avg_sq"].reshape(right.shape),
+                               (left * left).T @ v)
+    assert all(float(s["step"]) == 3 for s in by_name.values())  # bias correction kept
+    bias = next(n for n in by_name if n.endswith("bias"))
+    torch.testing.assert_close(by_name[bias]["exp_avg_sq"], opt.state[before["0.bias"]]["exp_avg_sq"])
+
+
+def _factor_steps(run_dir: Path) -> set[float]:
+    """Adam's step count of every factor in the newest checkpoint's optimizer state."""
+    state, _ = latest_checkpoint(run_dir)
+    return {float(s["step"]) for s in state["optimizer"]["state"].values()}
+
+
+@pytest.mark.parametrize("momentum", ["reset", "project"])
+def test_two_process_mid_epoch_switch_with_adamw(tmp_path: Path, momentum: str) -> None:
+    out = tmp_path / "run"
+    result = run_cli("train", *tiny_transformer_args(
+        tmp_path, "--epochs", "1", "--warmup-steps", "0.5", "--switch-momentum", momentum,
+        "--out", str(out)), torchrun=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # 2 processes: 30 steps per epoch each; the switch before step round(0.5 * 30) = 15
+    assert "switching to the low-rank model at step 15 (epoch 0, step 15)" in result.stdout
+    (row,) = metrics(out)
+    assert row["lowrank"] and row["switch_epoch"] == 0
+    steps = _factor_steps(out)
+    # reset: the new parameters and the survivors counted from the switch (30 - 15 steps);
+    # project: every parameter keeps counting from the run's start (30 steps)
+    assert steps == ({15.0} if momentum == "reset" else {30.0})
+
+
+@pytest.mark.parametrize("kill_step", [9, 23])  # before the switch at step 15, after it
+def test_adamw_resume_around_a_mid_epoch_switch_is_exact(tmp_path: Path, kill_step: int) -> None:
+    args = tiny_transformer_args(tmp_path, "--epochs", "1", "--train-subset", "1200",
+                                 "--warmup-steps", "15",
+                                 "--switch-momentum", "project", "--checkpoint-every-steps", "6")
+    ref = tmp_path / "ref"
+    assert run_cli("train", *args, "--out", str(ref)).returncode == 0
+    run, marker = tmp_path / "run", tmp_path / "killed"
+    killed = run_cli("train", *args, "--out", str(run), env={
+        "PUFFERFISH_KILL_AT_STEP": str(kill_step), "PUFFERFISH_KILL_MARKER": str(marker)})
+    assert killed.returncode == -9 and marker.exists()
+    resumed = run_cli("train", "--resume", str(run), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    a, b = latest_checkpoint(ref)[0], latest_checkpoint(run)[0]
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for i, s in a["optimizer"]["state"].items():
+        for k, v in s.items():
+            assert torch.equal(v, b["optimizer"]["state"][i][k]), (i, k)
+    assert metrics(ref)[0]["test_ppl"] == metrics(run)[0]["test_ppl"]
