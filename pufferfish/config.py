@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
+from .distributed.buckets import parse_bucket_mb
 from .distributed.hooks import all_hook_options, hook_names, with_option_fields
 from .models import MODELS
 from .modes import mode_names
@@ -96,6 +97,7 @@ class TrainConfig:
     comm: str = "allreduce"  # a registered comm hook: allreduce, fp16, powersgd, signum, topk
     # ... then one field per comm-hook option (see HOOK_OPTIONS)
     timeout_s: float = 300.0  # process-group timeout: a vanished peer is an error after this
+    bucket_mb: str = "auto"  # DDP gradient bucket cap in MiB, torch (1 MiB, then 25), or auto (timed)
     # Run directory and checkpoints
     out: str = ""  # run directory (empty: runs/<model>-<mode>)
     resume: str = ""  # run directory to continue, or "auto": continue --out if it has a checkpoint
@@ -143,6 +145,10 @@ class TrainConfig:
                 option.check(getattr(self, option.key))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        try:
+            parse_bucket_mb(self.bucket_mb)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.warmup_epochs != "auto":
             w = _int("warmup_epochs", self.warmup_epochs, "an integer >= 0 or 'auto'")
             if self.mode == "pufferfish" and not 0 <= w < self.epochs:
