@@ -12,6 +12,7 @@ from typing import Any
 
 from ..config import ConfigError, load_config
 from ..data import DEFAULT_FASHION_DIR
+from ..distributed.buckets import parse_bucket_mb
 from ..distributed.hooks import with_option_fields
 from . import accuracy as acc
 from . import projection as proj
@@ -55,6 +56,7 @@ class BenchConfig:
     alpha: float = proj.DEFAULT_ALPHA
     probe: bool = True
     channels_last: bool = True  # conv weights NHWC, as `pufferfish train` has them by default
+    bucket_mb: str = "auto"  # DDP bucket cap (MiB), torch's default, or each method's fastest
     timeout: float = 0.0  # 0: STEP_TIMEOUT per step group, no limit per training run
     out: str = "runs/bench"
     # time to accuracy from existing runs' accuracy and the measured (or reused) step times
@@ -105,6 +107,7 @@ class BenchConfig:
                 raise ValueError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 1")
         if self.width <= 0:
             raise ValueError(f"width {self.width!r} is invalid: allowed > 0")
+        parse_bucket_mb(self.bucket_mb)
         if self.powersgd_start_iter < 2:
             raise ValueError(
                 f"powersgd_start_iter {self.powersgd_start_iter} is invalid: allowed >= 2 "
@@ -226,6 +229,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     default=d.channels_last,
                     help="conv weights in NHWC memory order (the training default; "
                          "--no-channels-last: NCHW)")
+    ap.add_argument("--bucket-mb", default=d.bucket_mb,
+                    help="DDP's gradient bucket cap in MiB, 'torch' (torch's default) or 'auto' "
+                         "(each method's fastest, timed on its own steps)")
     ap.add_argument("--no-probe", dest="probe", action="store_false",
                     help="skip the all-reduce probe that measures each link's real rate")
     ap.add_argument("--timeout", type=float, default=d.timeout,
@@ -281,7 +287,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         **{option.key: getattr(args, option.key) for option in HOOK_OPTIONS},
         threads=args.threads,
         data_dir=args.data_dir, alpha=args.alpha_us * 1e-6, probe=args.probe,
-        channels_last=args.channels_last,
+        channels_last=args.channels_last, bucket_mb=args.bucket_mb,
         timeout=args.timeout, out=args.out, train=args.train, epochs=args.epochs,
         method_epochs=args.method_epochs,
         warmup_epochs=args.warmup_epochs, train_subset=args.train_subset,
@@ -300,7 +306,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 # Settings that describe a measurement, taken from the results when reused.
 _MEASURED = ("model", "width", "methods", "bandwidths", "workers", "steps", "warmup",
              "compute_steps", "batch_size", *(option.key for option in HOOK_OPTIONS), "threads",
-             "rounds", "channels_last")
+             "rounds", "channels_last", "bucket_mb")
 
 
 def results_path(path: str) -> Path:
@@ -325,5 +331,6 @@ def load_results(path: str) -> dict[str, Any]:
 
 
 def _measured_config(path: str) -> dict[str, Any]:
-    saved = {"channels_last": False, **load_results(path)["config"]}  # older: NCHW
+    # Older results: NCHW, torch's default buckets.
+    saved = {"channels_last": False, "bucket_mb": "torch", **load_results(path)["config"]}
     return {k: saved[k] for k in _MEASURED if k in saved}

@@ -99,6 +99,7 @@ def summarize(
             else:
                 row["speedup_vs_ddp"] = None
             row["rounds"] = len(mine)
+            row["buckets"] = [r.get("bucket_mib") for r in mine]  # each round's (None: torch's)
             rows.append(row)
     return rows
 

@@ -17,6 +17,11 @@ Every step is the training loop's own step function
 (:func:`pufferfish.training.step.train_step`: forward, zero_grad, backward, optimizer step;
 no AMP, clipping or non-finite vote, which would add a collective).
 
+Buckets (``--bucket-mb``): a fixed cap, torch's default, or (``auto``) each method's own
+fastest, chosen before the warm-up by the training loop's trial
+(:class:`~pufferfish.distributed.buckets.BucketTuner`, on extra steps of this method), so that
+every method is compared with its best buckets; the record says which (``bucket_mib``).
+
 ``compute_time``
     Median of ``--compute-steps`` steps run under ``ddp.no_sync()``: the same work with
     no gradient communication at all.
@@ -49,8 +54,10 @@ import copy
 import datetime
 import gc
 import inspect
+import itertools
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -63,6 +70,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..data import DEFAULT_FASHION_DIR, NORMALIZATION, TensorImageLoader, load_fashion_mnist
+from ..distributed.buckets import BucketTuner, bucket_overrides, parse_bucket_mb
 from ..distributed.env import cleanup, exit_process
 from ..distributed.hooks import all_hook_options, hook_names, hook_options, register_comm_hook
 from ..lowrank import factorize
@@ -163,6 +171,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-dir", default=None, help="decoded-tensor cache shared by workers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--bucket-mb", type=parse_bucket_mb, default="torch")
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
     return ap
 
@@ -225,10 +234,17 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
     rank = dist.get_rank()
     factorized, hook = hook_for(method)
     model, full_params = _build(args, factorized)
-    ddp = DistributedDataParallel(model, **_NO_BUFFER_SYNC)
+    tuner = BucketTuner(args.bucket_mb)
+    cap = tuner.start(model, method, steps_per_epoch=sys.maxsize)
+    ddp = DistributedDataParallel(model, **_NO_BUFFER_SYNC, **bucket_overrides(cap))
     state = register_comm_hook(ddp, hook, **method_options(hook, args))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
     replica = Replica(model, ddp, opt, hook_state=state)
+    trial = itertools.cycle(minibatches)
+    while tuner.trying:  # auto: this method's own buckets, on extra steps
+        with tuner.step(replica):
+            _train_step(replica, next(trial))
+    ddp = replica.wrapped
     batches = iter(minibatches)
 
     for _ in range(args.warmup):
@@ -282,6 +298,8 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
         "params_full": full_params,
         "factorized": factorized,
         "hook": hook,
+        "bucket_mib": tuner.cap,
+        "bucket_trial_ms": tuner.decisions[-1].get("median_ms"),
     }
 
 
@@ -307,6 +325,8 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
                 "params_full",
                 "factorized",
                 "hook",
+                "bucket_mib",
+                "bucket_trial_ms",
             )
         },
         "per_rank": per_rank,
