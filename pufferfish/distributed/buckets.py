@@ -30,7 +30,7 @@ MIB = 1024 * 1024
 # The trial: each candidate is visited ROUNDS times (the order reversed in every other round, so
 # that a drift of the machine's load favours no candidate), each visit one untimed step (DDP
 # assigns buckets in its first step after a (re-)wrap) and TIMED_STEPS timed ones. A candidate
-# wins only if its median step is THRESHOLD faster than torch's default's.
+# wins only if its median step is THRESHOLD faster than torch's default's in every round.
 FRACTIONS = (2, 4, 8, 16)  # candidate caps: the model's gradient bytes / these
 ROUNDS, TIMED_STEPS, THRESHOLD = 2, 3, 0.05
 EPOCH_SHARE = 4  # an epoch must have this many times the trial's steps to run one
@@ -111,6 +111,7 @@ class BucketTuner:
             else:
                 self._trial = {"decision": decision, "schedule": schedule, "visit": 0,
                                "step": 0, "times": {_label(c): [] for c in candidates}}
+                self._trial["rounds"] = [r for r in range(self.rounds) for _ in candidates]
                 return None
         decision["cap_mib"] = self.cap
         self.decisions.append(decision)
@@ -135,7 +136,7 @@ class BucketTuner:
         yield
         seconds = time.perf_counter() - t0
         if trial["step"] > 0:  # the first step after a wrap assigns the buckets
-            trial["times"][_label(cap)].append(seconds)
+            trial["times"][_label(cap)].append((trial["rounds"][trial["visit"]], seconds))
         trial["step"] += 1
         if trial["step"] > self.timed_steps:
             trial["visit"], trial["step"] = trial["visit"] + 1, 0
@@ -153,15 +154,25 @@ class BucketTuner:
             self._rewrap(replica, decision["cap_mib"])
 
     def _decide(self, trial: dict[str, Any]) -> dict[str, Any]:
-        medians = {label: statistics.median(ts) for label, ts in trial["times"].items() if ts}
-        base = medians.get(TORCH)
-        best = min(medians, key=medians.__getitem__) if medians else TORCH
-        clearly = base is not None and medians[best] <= (1 - self.threshold) * base
-        chosen = best if clearly else TORCH
+        times = {label: ts for label, ts in trial["times"].items() if ts}
+        medians = {label: statistics.median(t for _, t in ts) for label, ts in times.items()}
+        per_round = {label: {r: statistics.median(t for q, t in ts if q == r) for r, _ in ts}
+                     for label, ts in times.items()}
+        base = per_round.get(TORCH, {})
+
+        def clearly_faster(label: str) -> bool:  # in every round that timed both
+            both = [r for r in per_round[label] if r in base]
+            return bool(both) and all(
+                per_round[label][r] <= (1 - self.threshold) * base[r] for r in both)
+
+        winners = [label for label in medians if label != TORCH and clearly_faster(label)]
+        chosen = min(winners, key=medians.__getitem__) if winners else TORCH
         return {**trial["decision"], "cap_mib": None if chosen == TORCH else float(chosen),
-                "rule": f"fastest median step if {100 * self.threshold:g}% faster than torch's "
-                        "default, else torch's default",
+                "rule": f"the fastest median step among caps {100 * self.threshold:g}% faster "
+                        "than torch's default in every round, else torch's default",
                 "median_ms": {k: round(1e3 * v, 2) for k, v in medians.items()},
+                "round_ms": {k: [round(1e3 * v, 2) for v in rs.values()]
+                             for k, rs in per_round.items()},
                 "timed_steps": {k: len(v) for k, v in trial["times"].items()}}
 
     def _rewrap(self, replica: Any, cap: float | None) -> None:
