@@ -163,7 +163,7 @@ def test_report_from_synthetic_records(tmp_path: Path) -> None:
     md = results_markdown(cfg, result, plots=[])
     assert "| powersgd | 100mbit |" in md and "beats DDP below" in md and "no root" in md
     assert "| ddp | 100mbit | 1 | 1000.0 [1000.0–1000.0] | 200.0 [200.0–200.0] | 800.0" in md
-    assert "| 1000.1 | +0% | torch | 0.80 |" in md  # records without a bucket cap: torch's
+    assert "| 1000.1 | +0% | torch | 1.00x [1.00–1.00] | 0.80 |" in md  # records without a bucket cap: torch's
     assert "1. 100mbit (ddp, powersgd); loopback (ddp, powersgd)" in md
     assert "| ddp | 200.0 | 200.0 | 0% | ok |" in md  # compute agrees across links
     assert "- powersgd @ loopback, round 1: rank 1 exited -6" in md

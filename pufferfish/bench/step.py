@@ -273,6 +273,8 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
             state.stats.reset()
             steps.append(_timed(lambda b=batch: _train_step(replica, b)))
             stats.append(state.stats.snapshot())
+    chosen = tuner.cap
+    torch_steps = _torch_buckets_steps(replica, tuner, itertools.cycle(minibatches), args.steps)
 
     def median_of(key: str) -> float:
         return statistics.median(s[key] for s in stats)
@@ -285,6 +287,7 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
         "step_times": steps,
         "compute_times": compute,
         "step_time": statistics.median(steps),
+        "torch_step_time": statistics.median(torch_steps) if torch_steps else None,
         "step_time_quartiles": _quartiles(steps),
         "compute_time": statistics.median(compute),
         "compute_time_quartiles": _quartiles(compute),
@@ -298,20 +301,39 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
         "params_full": full_params,
         "factorized": factorized,
         "hook": hook,
-        "bucket_mib": tuner.cap,
+        "bucket_mib": chosen,
         "bucket_trial_ms": tuner.decisions[-1].get("median_ms"),
     }
+
+
+def _torch_buckets_steps(replica: Replica, tuner: BucketTuner, batches: Any,
+                         n: int) -> list[float]:
+    """``n`` full steps with torch's default buckets right after the timed ones (same group,
+    seconds apart): the before/after pair of a method whose trial chose another cap."""
+    if tuner.cap is None:
+        return []
+    tuner.rewrap(replica, None)
+    _train_step(replica, next(batches))  # DDP assigns the buckets in its first step
+    out = []
+    for _ in range(n):
+        dist.barrier()
+        batch = next(batches)
+        out.append(_timed(lambda b=batch: _train_step(replica, b)))
+    return out
 
 
 def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """One record from every rank's measurements: the slowest rank's timings, rank 0's counts."""
     r0 = per_rank[0]
     step = max(r["step_time"] for r in per_rank)
+    torch_steps = [r.get("torch_step_time") for r in per_rank]
     compute = max(r["compute_time"] for r in per_rank)
     return {
         "step_time": step,
         "compute_time": compute,
         "comm_time": max(0.0, step - compute),
+        # torch's default buckets in the same group (None: the method's cap is torch's)
+        "torch_step_time": max(torch_steps) if None not in torch_steps else None,
         "compress_time": max(r["compress_time"] for r in per_rank),
         "hook_time": max(r["hook_time"] for r in per_rank),
         **{

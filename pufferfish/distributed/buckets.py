@@ -131,7 +131,7 @@ class BucketTuner:
             return
         cap = trial["schedule"][trial["visit"]]
         if trial["step"] == 0 and cap != self.cap:
-            self._rewrap(replica, cap)
+            self.rewrap(replica, cap)
         t0 = time.perf_counter()
         yield
         seconds = time.perf_counter() - t0
@@ -151,7 +151,7 @@ class BucketTuner:
         decision = broadcast_object(self._decide(trial))
         self.decisions.append(decision)
         if decision["cap_mib"] != self.cap:
-            self._rewrap(replica, decision["cap_mib"])
+            self.rewrap(replica, decision["cap_mib"])
 
     def _decide(self, trial: dict[str, Any]) -> dict[str, Any]:
         times = {label: ts for label, ts in trial["times"].items() if ts}
@@ -175,7 +175,9 @@ class BucketTuner:
                              for k, rs in per_round.items()},
                 "timed_steps": {k: len(v) for k, v in trial["times"].items()}}
 
-    def _rewrap(self, replica: Any, cap: float | None) -> None:
+    def rewrap(self, replica: Any, cap: float | None) -> None:
+        """``replica.wrapped`` re-built with buckets of ``cap`` MiB, every other option and the
+        comm hook kept (every rank, at a step boundary)."""
         replica.wrapped = rewrap_ddp(replica.wrapped, init_sync=False, **bucket_overrides(cap))
         self.cap = cap
 
