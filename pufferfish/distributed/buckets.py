@@ -160,16 +160,17 @@ class BucketTuner:
                      for label, ts in times.items()}
         base = per_round.get(TORCH, {})
 
-        def clearly_faster(label: str) -> bool:  # in every round that timed both
+        def clearly_faster(label: str) -> bool:  # overall and in every round that timed both
             both = [r for r in per_round[label] if r in base]
             return bool(both) and all(
-                per_round[label][r] <= (1 - self.threshold) * base[r] for r in both)
+                per_round[label][r] <= (1 - self.threshold) * base[r] for r in both) and \
+                medians[label] <= (1 - self.threshold) * medians[TORCH]
 
         winners = [label for label in medians if label != TORCH and clearly_faster(label)]
         chosen = min(winners, key=medians.__getitem__) if winners else TORCH
         return {**trial["decision"], "cap_mib": None if chosen == TORCH else float(chosen),
                 "rule": f"the fastest median step among caps {100 * self.threshold:g}% faster "
-                        "than torch's default in every round, else torch's default",
+                        "than torch's default overall and in every round, else torch's default",
                 "median_ms": {k: round(1e3 * v, 2) for k, v in medians.items()},
                 "round_ms": {k: [round(1e3 * v, 2) for v in rs.values()]
                              for k, rs in per_round.items()},
