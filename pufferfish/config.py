@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, get_args, get_origin
 
 from .data.bpe import MIN_VOCAB
+from .distributed.buckets import parse_bucket_mb
 from .distributed.hooks import all_hook_options, hook_names, with_option_fields
 from .fieldhelp import field_help
 from .models import MODELS
@@ -123,6 +124,7 @@ class TrainConfig:
     comm: str = "allreduce"  # DDP comm hook (gradient compression baselines; needs torchrun)
     # ... then one field per comm-hook option (see HOOK_OPTIONS)
     timeout_s: float = 300.0  # process-group timeout: a vanished peer is an error after this
+    bucket_mb: str = "auto"  # DDP gradient bucket cap in MiB, torch (1 MiB, then 25), or auto (timed)
     # Run directory and checkpoints
     out: str = ""  # run directory (empty: a fresh runs/<model>-<mode>-<date-time> per run)
     resume: str = ""  # run directory to continue, or "auto": continue --out if it has a checkpoint
@@ -169,6 +171,10 @@ class TrainConfig:
                 option.check(getattr(self, option.key))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        try:
+            parse_bucket_mb(self.bucket_mb)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.warmup_epochs.endswith("%"):
             pct = _float("warmup_epochs", self.warmup_epochs[:-1], WARMUP_ALLOWED)
             if not 0 <= pct < 100:

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .distributed.buckets import AUTO, TORCH, bucket_overrides, parse_bucket_mb
 from .distributed.env import ddp_options, rewrap_ddp
 from .switch import FactorizationPlan, Switch, SwitchPolicy, projected_state
 
@@ -80,6 +81,9 @@ class Recipe:
         switch_momentum: ``"reset"`` (the paper): a replaced weight's state is deleted;
             ``"project"``: its SGD momentum or Adam moments are projected onto its factors
             (:func:`~pufferfish.switch.projected_state`); other state keys start empty.
+        bucket_mb: DDP's gradient bucket cap (MiB) of the wrapper re-built at the switch, sized
+            for the smaller model; ``"torch"``: torch's default; None: the user's wrapper's.
+            (``"auto"``, timed on real steps, is ``pufferfish train``'s: it owns the steps.)
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class Recipe:
         switch_threshold: float = 0.05,
         switch_window: float = 1.0,
         switch_momentum: str = "reset",
+        bucket_mb: float | str | None = None,
     ) -> None:
         if not isinstance(keep, str) and isinstance(keep, Iterable):
             keep = list(keep)  # checked, then used: an iterator must be read once
@@ -111,6 +116,7 @@ class Recipe:
         self.switch_owner = Switch(policy, plan)
         self.on_wrap = on_wrap
         self.switch_momentum = switch_momentum
+        self.bucket_mb = bucket_mb
         self.parameter_swap: ParameterSwap | None = None  # what the switch did to the optimizer
         self._wrapper_checked = False
 
@@ -204,7 +210,9 @@ class Recipe:
             for p, entry in carried.items():
                 optimizer.state[p].update(entry)
         if isinstance(model, DistributedDataParallel):
-            model = rewrap_ddp(model, register_hooks=self.on_wrap is None)
+            buckets = ({} if self.bucket_mb is None else bucket_overrides(
+                None if self.bucket_mb == TORCH else float(self.bucket_mb)))
+            model = rewrap_ddp(model, register_hooks=self.on_wrap is None, **buckets)
             if self.on_wrap is not None:
                 self.on_wrap(model)
         return model, optimizer, scheduler
@@ -391,3 +399,12 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
         raise bad("switch_window", "a number of epochs > 0")
     if args["switch_momentum"] not in ("reset", "project"):
         raise bad("switch_momentum", "'reset' or 'project'")
+    bucket_mb = args["bucket_mb"]
+    with_none = "None, 'torch' or a bucket cap in MiB > 0"
+    if bucket_mb is not None and (bucket_mb == AUTO or isinstance(bucket_mb, bool)):
+        raise bad("bucket_mb", with_none + " ('auto' times real steps: pufferfish train)")
+    if bucket_mb is not None:
+        try:
+            parse_bucket_mb(bucket_mb)
+        except ValueError:
+            raise bad("bucket_mb", with_none) from None

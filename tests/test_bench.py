@@ -146,6 +146,11 @@ def test_report_from_synthetic_records(tmp_path: Path) -> None:
     # The model's 2-worker prediction: 0.2 + 2*α + 8e7/1e8 = 1.0001 s for DDP at 100mbit.
     assert rows[0]["predicted_step_time"] == pytest.approx(0.2 + 2 * cfg.alpha + 0.8)
     assert rows[2]["predicted_step_time"] is None  # loopback, not probed: no rate to model
+    # Overlap efficiency: max(compute, ring wire time) / step. DDP: 8e7 bit / 1e8 = 0.8 s of
+    # wire against a 1.0 s step; PowerSGD: compute 0.2 s (wire 0.016 s) against 0.3 s.
+    assert rows[0]["overlap_efficiency"] == pytest.approx(0.8)
+    assert rows[1]["overlap_efficiency"] == pytest.approx(0.2 / 0.3)
+    assert rows[2]["overlap_efficiency"] is None
     assert projection["crossovers"]["powersgd"]["16"]["region"] == "below"
     links = [{"bandwidth": b, "bandwidth_bps": r, "link_bps": r}
              for b, r in (("100mbit", 1e8), ("loopback", None))]
@@ -158,6 +163,7 @@ def test_report_from_synthetic_records(tmp_path: Path) -> None:
     md = results_markdown(cfg, result, plots=[])
     assert "| powersgd | 100mbit |" in md and "beats DDP below" in md and "no root" in md
     assert "| ddp | 100mbit | 1 | 1000.0 [1000.0–1000.0] | 200.0 [200.0–200.0] | 800.0" in md
+    assert "| 1000.1 | +0% | torch | 1.00x [1.00–1.00] | 0.80 |" in md  # records without a bucket cap: torch's
     assert "1. 100mbit (ddp, powersgd); loopback (ddp, powersgd)" in md
     assert "| ddp | 200.0 | 200.0 | 0% | ok |" in md  # compute agrees across links
     assert "- powersgd @ loopback, round 1: rank 1 exited -6" in md
@@ -281,6 +287,8 @@ def test_loopback_run_contract(loopback: list[dict[str, Any]]) -> None:
         assert r["bandwidth"] == "loopback" and r["workers"] == 2
         assert r["step_time"] > 0 and r["compute_time"] > 0 and r["comm_time"] >= 0
         assert r["compress_time"] == 0.0  # plain all-reduce encodes nothing
+        # --bucket-mb auto: each method's own trial chose its cap, recorded per round
+        assert len(r["buckets"]) == 2 and r["bucket_trial_ms"]["torch"] > 0
         # 2 ranks: a ring all-reduce sends 2(p-1)/p = 1x the payload
         assert r["ring_bytes_per_step"] == pytest.approx(r["bytes_per_step"])
     ddp, puff = loopback

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..config import ConfigError, load_config
 from ..data import DEFAULT_FASHION_DIR
+from ..distributed.buckets import parse_bucket_mb
 from ..distributed.hooks import with_option_fields
 from . import accuracy as acc
 from . import projection as proj
@@ -56,6 +57,7 @@ class BenchConfig:
     probe: bool = True
     channels_last: bool = True  # conv weights NHWC, as `pufferfish train` has them by default
     compile: bool = False  # torch.compile every method's model (compiled in the warm-up steps)
+    bucket_mb: str = "auto"  # DDP bucket cap (MiB), torch's default, or each method's fastest
     timeout: float = 0.0  # 0: STEP_TIMEOUT per step group, no limit per training run
     out: str = "runs/bench"
     overwrite: bool = False  # replace files in --out that another command wrote
@@ -110,6 +112,7 @@ class BenchConfig:
                 raise ValueError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 1")
         if self.width <= 0:
             raise ValueError(f"width {self.width!r} is invalid: allowed > 0")
+        parse_bucket_mb(self.bucket_mb)
         if self.powersgd_start_iter < 2:
             raise ValueError(
                 f"powersgd_start_iter {self.powersgd_start_iter} is invalid: allowed >= 2 "
@@ -249,6 +252,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "--no-channels-last: NCHW)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
                     help="torch.compile every method's model (compiled in the warm-up steps)")
+    ap.add_argument("--bucket-mb", default=d.bucket_mb,
+                    help="DDP's gradient bucket cap in MiB, 'torch' (torch's default) or 'auto' "
+                         "(each method's fastest, timed on its own steps)")
     ap.add_argument("--no-probe", dest="probe", action="store_false",
                     help="skip the all-reduce probe that measures each link's real rate")
     ap.add_argument("--timeout", type=float, default=d.timeout,
@@ -306,7 +312,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         **{option.key: getattr(args, option.key) for option in HOOK_OPTIONS},
         threads=args.threads,
         data_dir=args.data_dir, alpha=args.alpha_us * 1e-6, probe=args.probe,
-        channels_last=args.channels_last, compile=args.compile,
+        channels_last=args.channels_last, compile=args.compile, bucket_mb=args.bucket_mb,
         timeout=args.timeout, out=args.out, overwrite=args.overwrite, train=args.train,
         epochs=args.epochs,
         method_epochs=args.method_epochs,
@@ -326,7 +332,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 # Settings that describe a measurement, taken from the results when reused.
 _MEASURED = ("model", "width", "methods", "bandwidths", "workers", "steps", "warmup",
              "compute_steps", "batch_size", *(option.key for option in HOOK_OPTIONS), "threads",
-             "rounds", "channels_last", "compile")
+             "rounds", "channels_last", "compile", "bucket_mb")
 
 
 def results_path(path: str) -> Path:
@@ -351,5 +357,7 @@ def load_results(path: str) -> dict[str, Any]:
 
 
 def _measured_config(path: str) -> dict[str, Any]:
-    saved = {"channels_last": False, "compile": False, **load_results(path)["config"]}  # older
+    # Older results: NCHW, eager, torch's default buckets.
+    saved = {"channels_last": False, "compile": False, "bucket_mb": "torch",
+             **load_results(path)["config"]}
     return {k: saved[k] for k in _MEASURED if k in saved}

@@ -56,7 +56,12 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
         "speedup vs ddp = DDP's step / the method's step in the same round and link, then "
         "median [min–max]. MB = payload per step (`bytes_sent`), ring MB = what a rank sends "
         "under the ring model. predicted = the α-β model at this worker count and the probed "
-        "link rate, from this row's compute and compress; error = (predicted - step) / step.",
+        "link rate, from this row's compute and compress; error = (predicted - step) / step. "
+        f"buckets = DDP's bucket cap in MiB per round (--bucket-mb {cfg.bucket_mb}; torch: "
+        "torch's default, 1 MiB then 25 MiB); overlap = max(compute, wire time at the probed "
+        "link rate under the ring model) / step, 1.0 when communication hides entirely; vs "
+        "torch's buckets = the same group's steps with torch's default buckets right after "
+        "the timed ones / the timed step (1.00x where the method's cap is torch's).",
         "",
         "## Links",
         "",
@@ -68,7 +73,7 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
               for r, plan in enumerate(result["order"])]
     head = ["method", "bandwidth", "rounds", "step ms", "compute ms", "comm ms", "share",
             "compress ms", "MB/step", "ring MB/step", "params", "speedup vs ddp",
-            "predicted ms", "error"]
+            "predicted ms", "error", "buckets MiB", "vs torch's buckets", "overlap"]
     lines += ["", "## Measured", "", *markdown_table(head, map(_measured_cells, rows))]
     lines += _compute_check_markdown(result["compute_check"], [x["bandwidth"]
                                                                for x in result["links"]])
@@ -105,7 +110,16 @@ def _measured_cells(r: dict[str, Any]) -> list[str]:
             f"{100 * r['comm_share']:.0f}% [{100 * share[0]:.0f}–{100 * share[1]:.0f}]",
             _ms(r["compress_time"]), f"{r['bytes_per_step'] / 1e6:.3f}",
             f"{r['ring_bytes_per_step'] / 1e6:.3f}", f"{r['params'] / 1e6:.3f}M", speed,
-            _ms(r["predicted_step_time"]), err]
+            _ms(r["predicted_step_time"]), err, _buckets(r.get("buckets")),
+            "-" if "bucket_speedup" not in r else f"{r['bucket_speedup']:.2f}x "
+            f"[{r['spread']['bucket_speedup'][0]:.2f}–{r['spread']['bucket_speedup'][1]:.2f}]",
+            "-" if r.get("overlap_efficiency") is None else f"{r['overlap_efficiency']:.2f}"]
+
+
+def _buckets(caps: list[float | None] | None) -> str:
+    """Each round's bucket cap, once when all rounds chose the same."""
+    names = list(dict.fromkeys("torch" if c is None else f"{c:.3g}" for c in caps or [None]))
+    return " / ".join(names)
 
 
 def _compute_check_markdown(check: list[dict[str, Any]], links: list[str]) -> list[str]:

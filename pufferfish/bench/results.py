@@ -47,9 +47,15 @@ def project(records: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
         r["model_bps"] = bps
         if bps is None:
             r["predicted_step_time"] = r["prediction_error"] = None
+            r["wire_time"] = r["overlap_bound"] = r["overlap_efficiency"] = None
             continue
         own = proj.CommProfile.for_method(r["method"], r["compute_time"], r["compress_time"],
                                           r["bytes_per_step"], r["collectives_per_step"])
+        # Overlap efficiency: the best a step can do if communication hid entirely behind
+        # compute (or compute behind the wire), max(compute, wire time), over the measured step.
+        r["wire_time"] = own.bits_on_wire(r["workers"]) / bps
+        r["overlap_bound"] = max(r["compute_time"], r["wire_time"])
+        r["overlap_efficiency"] = r["overlap_bound"] / r["step_time"]
         pred = proj.step_time(own, r["workers"], bps, cfg.alpha)
         r["predicted_step_time"] = pred
         r["prediction_error"] = (pred - r["step_time"]) / r["step_time"]

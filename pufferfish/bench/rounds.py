@@ -99,6 +99,12 @@ def summarize(
             else:
                 row["speedup_vs_ddp"] = None
             row["rounds"] = len(mine)
+            row["buckets"] = [r.get("bucket_mib") for r in mine]  # each round's (None: torch's)
+            # Own buckets against torch's in the same group: torch's step / own step per round.
+            gains = [(r.get("torch_step_time") or r["step_time"]) / r["step_time"] for r in mine]
+            s = spread(gains)
+            row["bucket_speedup"] = s["median"]
+            row["spread"]["bucket_speedup"] = [s["min"], s["max"]]
             rows.append(row)
     return rows
 

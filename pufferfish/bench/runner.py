@@ -176,7 +176,7 @@ def _step_argv(cfg: BenchConfig, methods: list[str], out: Path, cache: Path) -> 
         "--model", cfg.model, "--width", str(cfg.width), "--batch-size", str(cfg.batch_size),
         "--steps", str(cfg.steps), "--warmup", str(cfg.warmup),
         "--compute-steps", str(cfg.compute_steps), *_hook_flags(cfg), _channels_flag(cfg),
-        "--threads", str(cfg.worker_threads()), "--cache-dir", str(cache), "--out", str(out),
+        "--bucket-mb", str(cfg.bucket_mb), "--threads", str(cfg.worker_threads()), "--cache-dir", str(cache), "--out", str(out),
     ]  # fmt: skip
     if cfg.data_dir:
         argv += ["--data-dir", cfg.data_dir]
@@ -249,7 +249,8 @@ def _measure(cfg: BenchConfig, log: Log) -> dict[str, Any]:
                     log(f"[{text}] round {r + 1} {rec['method']}: step {rec['step_time']:.4f} s "
                         f"= compute {rec['compute_time']:.4f} + comm {rec['comm_time']:.4f} "
                         f"(compress {rec['compress_time']:.4f}); "
-                        f"{rec['bytes_per_step'] / 1e6:.3f} MB/step")
+                        f"{rec['bytes_per_step'] / 1e6:.3f} MB/step; buckets "
+                        f"{rec.get('bucket_mib') or 'torch'}")
                 if err is not None:
                     done = {rec["method"] for rec in got}
                     lost = [m for m in methods if m not in done]
@@ -321,7 +322,7 @@ def _train_argv(cfg: BenchConfig, method: str, run_dir: Path) -> list[str]:
         "--mode", "pufferfish" if factorized else "full", "--comm", hook,
         "--epochs", str(epochs), "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr),
         "--train-subset", str(cfg.train_subset), "--test-subset", str(cfg.test_subset),
-        *_hook_flags(cfg), _channels_flag(cfg),
+        *_hook_flags(cfg), _channels_flag(cfg), "--bucket-mb", str(cfg.bucket_mb),
         "--threads", str(cfg.worker_threads()), "--checkpoint-every-epochs", str(epochs),
         "--no-progress", "--out", str(run_dir), "--overwrite",  # a previous bench's run
     ]  # fmt: skip

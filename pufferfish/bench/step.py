@@ -17,6 +17,11 @@ Every step is the training loop's own step function
 (:func:`pufferfish.training.step.train_step`: forward, zero_grad, backward, optimizer step;
 no AMP, clipping or non-finite vote, which would add a collective).
 
+Buckets (``--bucket-mb``): a fixed cap, torch's default, or (``auto``) each method's own
+fastest, chosen before the warm-up by the training loop's trial
+(:class:`~pufferfish.distributed.buckets.BucketTuner`, on extra steps of this method), so that
+every method is compared with its best buckets; the record says which (``bucket_mib``).
+
 ``compute_time``
     Median of ``--compute-steps`` steps run under ``ddp.no_sync()``: the same work with
     no gradient communication at all.
@@ -52,8 +57,10 @@ import copy
 import datetime
 import gc
 import inspect
+import itertools
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -73,6 +80,7 @@ from ..data import (
     load_dataset,
     load_fashion_mnist,
 )
+from ..distributed.buckets import BucketTuner, bucket_overrides, parse_bucket_mb
 from ..distributed.env import cleanup, exit_process
 from ..distributed.hooks import all_hook_options, hook_names, hook_options, register_comm_hook
 from ..galore import galore_optimizer, galore_ranks
@@ -180,6 +188,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--seq-len", type=int, default=64, help="language models: tokens a sequence")
     ap.add_argument("--vocab", type=int, default=2000, help="language models: vocabulary size")
+    ap.add_argument("--bucket-mb", type=parse_bucket_mb, default="torch")
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
     return ap
 
@@ -280,10 +289,17 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
     rank = dist.get_rank()
     factorized, hook = hook_for(method)
     model, full_params = _build(args, factorized)
-    ddp = DistributedDataParallel(model, **_NO_BUFFER_SYNC)
+    tuner = BucketTuner(args.bucket_mb)
+    cap = tuner.start(model, method, steps_per_epoch=sys.maxsize)
+    ddp = DistributedDataParallel(model, **_NO_BUFFER_SYNC, **bucket_overrides(cap))
     state = register_comm_hook(ddp, hook, **method_options(hook, args))
     opt = _optimizer(args, method, model)
     replica = Replica(model, ddp, opt, hook_state=state)
+    trial = itertools.cycle(minibatches)
+    while tuner.trying:  # auto: this method's own buckets, on extra steps
+        with tuner.step(replica):
+            _train_step(replica, next(trial))
+    ddp = replica.wrapped
     batches = iter(minibatches)
 
     for _ in range(args.warmup):
@@ -312,6 +328,8 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
             state.stats.reset()
             steps.append(_timed(lambda b=batch: _train_step(replica, b)))
             stats.append(state.stats.snapshot())
+    chosen = tuner.cap
+    torch_steps = _torch_buckets_steps(replica, tuner, itertools.cycle(minibatches), args.steps)
 
     def median_of(key: str) -> float:
         return statistics.median(s[key] for s in stats)
@@ -324,6 +342,7 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
         "step_times": steps,
         "compute_times": compute,
         "step_time": statistics.median(steps),
+        "torch_step_time": statistics.median(torch_steps) if torch_steps else None,
         "step_time_quartiles": _quartiles(steps),
         "compute_time": statistics.median(compute),
         "compute_time_quartiles": _quartiles(compute),
@@ -337,18 +356,39 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
         "params_full": full_params,
         "factorized": factorized,
         "hook": hook,
+        "bucket_mib": chosen,
+        "bucket_trial_ms": tuner.decisions[-1].get("median_ms"),
     }
+
+
+def _torch_buckets_steps(replica: Replica, tuner: BucketTuner, batches: Any,
+                         n: int) -> list[float]:
+    """``n`` full steps with torch's default buckets right after the timed ones (same group,
+    seconds apart): the before/after pair of a method whose trial chose another cap."""
+    if tuner.cap is None:
+        return []
+    tuner.rewrap(replica, None)
+    _train_step(replica, next(batches))  # DDP assigns the buckets in its first step
+    out = []
+    for _ in range(n):
+        dist.barrier()
+        batch = next(batches)
+        out.append(_timed(lambda b=batch: _train_step(replica, b)))
+    return out
 
 
 def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """One record from every rank's measurements: the slowest rank's timings, rank 0's counts."""
     r0 = per_rank[0]
     step = max(r["step_time"] for r in per_rank)
+    torch_steps = [r.get("torch_step_time") for r in per_rank]
     compute = max(r["compute_time"] for r in per_rank)
     return {
         "step_time": step,
         "compute_time": compute,
         "comm_time": max(0.0, step - compute),
+        # torch's default buckets in the same group (None: the method's cap is torch's)
+        "torch_step_time": max(torch_steps) if None not in torch_steps else None,
         "compress_time": max(r["compress_time"] for r in per_rank),
         "hook_time": max(r["hook_time"] for r in per_rank),
         **{
@@ -362,6 +402,8 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
                 "params_full",
                 "factorized",
                 "hook",
+                "bucket_mib",
+                "bucket_trial_ms",
             )
         },
         "per_rank": per_rank,

@@ -162,8 +162,9 @@ def exit_process(status: int) -> NoReturn:
     sys.exit(status)
 
 
-def wrap_ddp(model: nn.Module, env: DistEnv) -> nn.Module:
-    """Wrap ``model`` for data parallelism (identity on one process).
+def wrap_ddp(model: nn.Module, env: DistEnv, bucket_cap_mb: float | None = None) -> nn.Module:
+    """Wrap ``model`` for data parallelism (identity on one process), with gradient buckets of
+    ``bucket_cap_mb`` MiB (None: torch's default, see :mod:`pufferfish.distributed.buckets`).
 
     DDP's constructor broadcasts rank 0's parameters and buffers, so every replica starts from the
     same weights: after a switch to the factorized model this is what makes the replicas identical
@@ -172,7 +173,7 @@ def wrap_ddp(model: nn.Module, env: DistEnv) -> nn.Module:
     if not env.distributed:
         return model
     device_ids = [env.device.index] if env.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
 
 
 def ddp_options(ddp: DistributedDataParallel) -> dict[str, Any]:
@@ -218,8 +219,8 @@ def ddp_options(ddp: DistributedDataParallel) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k in accepted}
 
 
-def rewrap_ddp(ddp: DistributedDataParallel, register_hooks: bool = True
-               ) -> DistributedDataParallel:
+def rewrap_ddp(ddp: DistributedDataParallel, register_hooks: bool = True,
+               **overrides: Any) -> DistributedDataParallel:
     """A new DDP wrapper around ``ddp.module`` (changed in place) with all of ``ddp``'s options.
 
     Needed after the module's parameters were replaced: DDP's reducer, buckets and broadcasts
@@ -233,8 +234,11 @@ def rewrap_ddp(ddp: DistributedDataParallel, register_hooks: bool = True
     restarts its vanilla all-reduce warm-up (``start_powerSGD_iter``), which is how torch
     copes with the first re-bucketing. Hooks registered with DDP's private
     ``_register_builtin_comm_hook`` are not carried over. ``ddp`` must not be used afterwards.
+    ``overrides`` replace constructor arguments (new buckets; ``init_sync=False`` where the
+    replicas are known to be equal), those the installed DDP does not take are dropped.
     """
-    options = ddp_options(ddp)
+    accepted = inspect.signature(DistributedDataParallel.__init__).parameters
+    options = {**ddp_options(ddp), **{k: v for k, v in overrides.items() if k in accepted}}
     module = ddp.module
     _detach_wrapper(ddp)
     with warnings.catch_warnings():  # our choice, not the user's: see ddp_options

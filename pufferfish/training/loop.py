@@ -47,6 +47,7 @@ from tqdm import tqdm
 from ..config import ConfigError, TrainConfig, dump_toml
 from ..data import DataError
 from ..distributed import env as dist_env
+from ..distributed.buckets import BucketTuner
 from ..distributed.env import DistEnv
 from ..distributed.hooks import hook_options, register_comm_hook
 from . import checkpoint as ckpt
@@ -96,6 +97,9 @@ class Run(Replica):
     meter: EpochMeter = field(default_factory=EpochMeter)
     figures: dict[str, Any] | None = None  # the method's model figures, until the next change
     last_checkpoint: Path | None = None
+    buckets: BucketTuner = field(default_factory=BucketTuner)  # DDP's bucket cap, and its trials
+    change: Change | None = None  # the last change of the model, whose report has the buckets
+    noted: int = 0  # bucket decisions reported so far
 
 
 def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]]:
@@ -161,10 +165,12 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     startup.check_agree(env, "the data or the checkpoint to resume", {
         **startup.data_fingerprint(task),
         "resume_from": None if resumed is None else resumed[1].name}, DataError)
+    buckets = BucketTuner(cfg.bucket_mb)
     if resumed is None:
-        run = _prepare(cfg, model, env, method)
+        buckets.start(model, "start", len(task.train_loader), env.distributed)
+        run = _prepare(cfg, model, env, method, buckets)
     else:
-        run = _resume(cfg, env, method, task, model, *resumed)
+        run = _resume(cfg, env, method, task, model, *resumed, buckets)
         with _signals_deferred():  # rows of the epoch being redone go
             writer.truncate(run.progress.epoch)
             evals.truncate(run.progress.global_step)
@@ -193,6 +199,7 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         every = cfg.checkpoint_every_epochs  # 0: only the last epoch's
         if epoch + 1 == total or (every and (epoch + 1) % every == 0):
             _checkpoint(cfg, env, run, method, task, run_dir)
+        _note_buckets(env, run, run_dir)
     if env.is_main:
         dist_env.say(env, writer.final_table())
     return writer.rows
@@ -200,8 +207,10 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
 
 # -- set-up and resume -------------------------------------------------------------------------
 
-def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method) -> Run:
-    """Optimizer, DDP wrapper, comm hook and AMP scaler for the model as it is now.
+def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method,
+             buckets: BucketTuner) -> Run:
+    """Optimizer, DDP wrapper (with ``buckets.cap``), comm hook and AMP scaler for the model as
+    it is now.
 
     First the memory format: with ``channels_last`` every 4-D weight (convolutions) is stored
     NHWC, which the CPU (oneDNN) and GPU convolution kernels run faster, the small factorized
@@ -211,7 +220,7 @@ def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method) -
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
     optimizer = method.build_optimizer(model, cfg)
-    wrapped = dist_env.wrap_ddp(model, env)
+    wrapped = dist_env.wrap_ddp(model, env, buckets.cap)
     scaler = (torch.amp.GradScaler("cuda") if cfg.amp and env.device.type == "cuda" else None)
     if scaler is not None and cfg.comm == "signum":
         # GradScaler divides the reduced gradient by the loss scale; signum's +-1 votes
@@ -219,7 +228,7 @@ def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method) -
         raise ConfigError("comm 'signum' is invalid with amp on CUDA (its +-1 votes ignore the "
                           "loss scale): allowed without --amp, or another comm")
     return Run(model=model, wrapped=wrapped, optimizer=optimizer, scaler=scaler,
-               hook_state=_register_hook(cfg, wrapped, env))
+               hook_state=_register_hook(cfg, wrapped, env), buckets=buckets)
 
 
 def _register_hook(cfg: TrainConfig, wrapped: nn.Module, env: DistEnv) -> Any:
@@ -233,20 +242,22 @@ def _components(run: Run, method: Method, task: Task) -> tuple[dict[str, Any], d
     """The run's stateful parts by checkpoint key: shared by all ranks (rank 0's saved), and
     each rank's own (saved by every rank). Each has ``state_dict``/``load_state_dict``."""
     shared = {"method": method, "model": run.model, "optimizer": run.optimizer,
-              "scaler": run.scaler, "progress": run.progress}
+              "scaler": run.scaler, "progress": run.progress, "buckets": run.buckets}
     per_rank = {"hook": run.hook_state, "meter": run.meter, "task": task}
     return shared, per_rank
 
 
 def _resume(cfg: TrainConfig, env: DistEnv, method: Method, task: Task, model: nn.Module,
-            saved: dict[str, Any], path: Path) -> Run:
-    """The run as the checkpoint ``saved`` left it: the architecture and weights first (the
-    optimizer is built on them), then every other component from its own entry."""
+            saved: dict[str, Any], path: Path, buckets: BucketTuner) -> Run:
+    """The run as the checkpoint ``saved`` left it: the architecture, weights and bucket cap
+    first (the optimizer and DDP are built on them), then every other component from its entry."""
     method.load_state_dict(saved["method"], model)  # e.g. rebuild the factorized architecture
     startup.load_model(model, saved["model"], path)
-    run = _prepare(cfg, model, env, method)
+    buckets.load_state_dict(saved.get("buckets") or {"cap_mib": None, "decisions": []})
+    run = _prepare(cfg, model, env, method, buckets)
+    run.noted = len(buckets.decisions)
     shared, per_rank = _components(run, method, task)
-    del shared["method"], shared["model"]  # loaded above
+    del shared["method"], shared["model"], shared["buckets"]  # loaded above
     ranks = saved.get("ranks") or []
     mine = ranks[env.rank] if env.rank < len(ranks) else {}
     for components, states in ((shared, saved), (per_rank, mine)):
@@ -282,26 +293,47 @@ def _start_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
     with _eager():
         change = method.on_epoch_start(run.progress.epoch, run.model)
     if change is not None:
-        _rebuild(cfg, env, run, method, change, before, run_dir)
+        _rebuild(cfg, env, run, method, task, change, before, run_dir)
 
 
-def _rebuild(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, change: Change,
-             before: dict[str, torch.Tensor], run_dir: Path) -> None:
-    """After the method changed the model (``before``: its parameters until then): a fresh
-    optimizer, DDP wrapper and comm hook, with what state the method carries over."""
-    fresh = _prepare(cfg, run.model, env, method)
+def _rebuild(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
+             change: Change, before: dict[str, torch.Tensor], run_dir: Path) -> None:
+    """After the method changed the model (``before``: its parameters until then): buckets
+    chosen again for the new model, a fresh optimizer, DDP wrapper and comm hook, with what
+    state the method carries over."""
+    run.buckets.start(run.model, f"after the {change.name} at epoch {run.progress.epoch}",
+                      len(task.train_loader), env.distributed)  # a new model: new buckets
+    fresh = _prepare(cfg, run.model, env, method, run.buckets)
     method.carry_state(run.optimizer, fresh.optimizer, before, run.model)
     run.optimizer, run.wrapped, run.hook_state = fresh.optimizer, fresh.wrapped, fresh.hook_state
-    run.figures = None
-    _record_change(env, change, run_dir)
-
-
-def _record_change(env: DistEnv, change: Change, run_dir: Path) -> None:
+    run.figures, run.change = None, change
     dist_env.say(env, change.text)
-    if env.is_main:
-        _write_text(run_dir / f"{change.name}.txt", change.text + "\n")
-        _write_text(run_dir / f"{change.name}.json",
-                    json.dumps(change.record, indent=1, default=str))
+    _record_change(env, run, run_dir)
+
+
+def _record_change(env: DistEnv, run: Run, run_dir: Path) -> None:
+    """The last change's report, with the bucket choices so far (``buckets``), and
+    ``buckets.json``."""
+    if not env.is_main:
+        return
+    decisions = run.buckets.decisions
+    _write_text(run_dir / "buckets.json", json.dumps(decisions, indent=1))
+    if run.change is not None:
+        change = run.change
+        text = change.text + ("\n" + run.buckets.describe() if decisions else "")
+        _write_text(run_dir / f"{change.name}.txt", text + "\n")
+        _write_text(run_dir / f"{change.name}.json", json.dumps(
+            {**change.record, "buckets": decisions}, indent=1, default=str))
+
+
+def _note_buckets(env: DistEnv, run: Run, run_dir: Path) -> None:
+    """Report the bucket decisions made since the last report (a trial ended)."""
+    if len(run.buckets.decisions) == run.noted:
+        return
+    for line in run.buckets.describe().splitlines()[run.noted:]:
+        dist_env.say(env, line)
+    run.noted = len(run.buckets.decisions)
+    _record_change(env, run, run_dir)
 
 
 # -- one epoch, one step -----------------------------------------------------------------------
@@ -324,10 +356,11 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
         with _eager():
             change = method.on_step_start(progress.epoch, i, steps, run.model)
         if change is not None:  # a switch in steps (warmup_steps), mid-epoch
-            _rebuild(cfg, env, run, method, change, before, run_dir)
+            _rebuild(cfg, env, run, method, task, change, before, run_dir)
         run.meter.batch_ready()
         lr = lr_at(cfg, method.schedule_step(progress.global_step, steps), steps)
-        loss, bad = _step(cfg, env, run, method, task, batch, i, lr)
+        with run.buckets.step(run):  # during a bucket trial: timed, perhaps re-wrapped
+            loss, bad = _step(cfg, env, run, method, task, batch, i, lr)
         progress.global_step += 1
         progress.step_in_epoch = i + 1
         method.on_step_end(progress.epoch, i + 1, steps, run.model)
@@ -455,6 +488,7 @@ def _checkpoint(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: 
             f"non-finite parameters or optimizer state after epoch {progress.epoch}, step "
             f"{progress.step_in_epoch} (global step {progress.global_step}): not saved; last "
             f"good checkpoint: {run.last_checkpoint or 'none'}; lower --lr or set --grad-clip")
+    run.buckets.settle(run)  # a checkpoint holds a bucket choice, never half a trial
     shared, per_rank = _components(run, method, task)
     ranks = dist_env.gather_object(_states(per_rank), env)
     written = error = None

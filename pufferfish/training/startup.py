@@ -256,10 +256,11 @@ def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: 
 
 # -- the run directory ---------------------------------------------------------------------------
 
-# The files a run writes into its directory besides its checkpoints (loop.py, metrics.py, and the
+# The files a run writes into its directory besides its checkpoints (loop.py, metrics.py, the
+# bucket choices, and the
 # methods' change records: factorization, prune-round-N, channel-pruning). They make a directory
 # "an earlier run", and they and the checkpoint files are all that --overwrite removes.
-_RUN_FILE = r"(config\.toml|metrics\.(jsonl|csv)|evals\.jsonl|(factorization|channel-pruning|prune-round-\d+)\.(txt|json))"
+_RUN_FILE = r"(config\.toml|buckets\.json|metrics\.(jsonl|csv)|evals\.jsonl|(factorization|channel-pruning|prune-round-\d+)\.(txt|json))"
 _RUN_FILE_RE = re.compile(rf"^{_RUN_FILE}$")
 # Their temp files, left by a kill during a write (checkpoint.atomic_write's, and the
 # ``<name>.tmp`` of runs written before every write went through it).
