@@ -24,6 +24,7 @@ __all__ = ["ConfigError", "TrainConfig", "dump_toml", "load_config"]
 SCHEDULES = ("multistep", "cosine", "constant")
 NONFINITE = ("stop", "skip")
 SWITCH_MOMENTUM = ("reset", "project")
+SYNCS = ("ddp", "diloco")
 # The automatic switch's default cap (max_warmup_epochs 0): a tenth of the run, the paper's warm-up,
 # but at least this many optimizer steps, which the short-run grids needed (docs/benchmarks.md).
 CAP_FRACTION, CAP_MIN_STEPS = 0.1, 150  # the optimizer state of the factors at the switch
@@ -95,6 +96,11 @@ class TrainConfig:
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU), gloo, nccl
     comm: str = "allreduce"  # a registered comm hook: allreduce, fp16, powersgd, signum, topk
     # ... then one field per comm-hook option (see HOOK_OPTIONS)
+    sync: str = "ddp"  # ddp (gradients every step) or diloco (weights every inner_steps steps)
+    inner_steps: int = 50  # diloco: optimizer steps each worker takes alone between outer steps
+    outer_lr: float = 0.7  # diloco: outer Nesterov SGD learning rate on the pseudo-gradients
+    outer_momentum: float = 0.9  # diloco: outer Nesterov momentum, 0 <= m < 1
+    outer_switch_momentum: str = "reset"  # diloco + pufferfish: outer momentum at the switch
     timeout_s: float = 300.0  # process-group timeout: a vanished peer is an error after this
     # Run directory and checkpoints
     out: str = ""  # run directory (empty: runs/<model>-<mode>)
@@ -165,6 +171,7 @@ class TrainConfig:
             raise ConfigError("overwrite true is invalid with resume 'auto' (continue the run if "
                               "there is one): allowed one of them")
         self._validate_baselines()
+        self._validate_sync()
         if sorted(self.milestones) != list(self.milestones) or not all(
                 0 < m < 1 for m in self.milestones):
             raise ConfigError(f"milestones {self.milestones!r} are invalid: allowed increasing "
@@ -190,6 +197,28 @@ class TrainConfig:
         if self.mode == "prune" and not -1 <= self.prune_epoch < self.epochs:
             raise ConfigError(f"prune_epoch {self.prune_epoch} is invalid with epochs "
                               f"{self.epochs}: allowed 0 <= prune_epoch < epochs, or -1")
+
+    def _validate_sync(self) -> None:
+        """``sync`` and the DiLoCo keys (see :mod:`pufferfish.distributed.diloco`)."""
+        _choice("sync", self.sync, SYNCS)
+        _choice("outer_switch_momentum", self.outer_switch_momentum, SWITCH_MOMENTUM)
+        if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) \
+                or self.inner_steps < 1:
+            raise ConfigError(f"inner_steps {self.inner_steps!r} is invalid: allowed an integer >= 1")
+        _positive("outer_lr", self.outer_lr)
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"outer_momentum {self.outer_momentum!r} is invalid: allowed "
+                              "0 <= outer_momentum < 1")
+        if self.sync != "diloco":
+            return
+        if self.comm != "allreduce":
+            raise ConfigError(f"comm {self.comm!r} is invalid with sync 'diloco' (no gradient is "
+                              "sent per step, the pseudo-gradients are all-reduced): allowed "
+                              "allreduce, or sync ddp")
+        if self.checkpoint_every_steps % self.inner_steps:
+            raise ConfigError(f"checkpoint_every_steps {self.checkpoint_every_steps} is invalid "
+                              f"with sync 'diloco' and inner_steps {self.inner_steps} (checkpoints "
+                              "fall on outer steps): allowed a multiple of inner_steps, or 0")
 
     # -- derived values ------------------------------------------------------------------
     @property

@@ -76,14 +76,16 @@ class PufferfishMethod(FullRankMethod):
         optimizer state, and each low-rank layer's factors get the momentum of the dense weights
         they replace, projected by the chain rule (:meth:`LowRankModule.project_dense_state`).
         ``"reset"`` (the paper): nothing carried, all momentum starts from zero."""
-        if self.cfg.switch_momentum != "project":
-            return
-        for p in model.parameters():
-            if p in old.state:
-                new.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                                for k, v in old.state[p].items()}
-        for p, buf in projected_momentum(old.state, before, model).items():
-            new.state[p] = {"momentum_buffer": buf}
+        if self.cfg.switch_momentum == "project":
+            _carry_projected(old, new, before, model)
+
+    def carry_outer_state(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer,
+                          before: dict[str, torch.Tensor], model: nn.Module) -> None:
+        """DiLoCo's outer Nesterov momentum across the switch: ``outer_switch_momentum``
+        ``"project"`` carries it onto the factors as :meth:`carry_state` does the inner
+        momentum; ``"reset"`` restarts it from zero."""
+        if self.cfg.outer_switch_momentum == "project":
+            _carry_projected(old, new, before, model)
 
     def on_step_end(self, epoch: int, step: int, steps: int, model: nn.Module) -> None:
         # Between epoch ends, feed the switch detector every N steps so that its window (in
@@ -132,3 +134,15 @@ class PufferfishMethod(FullRankMethod):
     def load_state_dict(self, state: dict[str, Any], model: nn.Module) -> None:
         self.switch.load_state_dict(state, model)
         self.switch.plan.rebuild(model)  # the exact factorized architecture
+
+
+def _carry_projected(old: torch.optim.Optimizer, new: torch.optim.Optimizer,
+                     before: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """Survivors keep their SGD state in ``new``; each factor gets its dense weight's momentum
+    projected by the chain rule (:func:`~pufferfish.switch.projected_momentum`)."""
+    for p in model.parameters():
+        if p in old.state:
+            new.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                            for k, v in old.state[p].items()}
+    for p, buf in projected_momentum(old.state, before, model).items():
+        new.state[p] = {"momentum_buffer": buf}
