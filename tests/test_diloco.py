@@ -263,3 +263,20 @@ def test_killed_worker_costs_at_most_the_inner_steps_since_the_last_sync(tmp_pat
     for x, y in zip(rows, metrics(run), strict=True):
         assert {k: v for k, v in x.items() if k not in drop} == \
             {k: v for k, v in y.items() if k not in drop}
+
+
+def test_bench_knows_the_diloco_methods(tmp_path: Path) -> None:
+    """``pufferfish bench``: DiLoCo methods warm up as DiLoCo and train with ``--sync diloco``."""
+    from pufferfish.bench.accuracy import phase_methods
+    from pufferfish.bench.config import BenchConfig
+    from pufferfish.bench.runner import _train_argv
+
+    assert phase_methods("pufferfish+diloco") == ("diloco", "pufferfish+diloco")
+    assert phase_methods("pufferfish") == ("ddp", "pufferfish")
+    cfg = BenchConfig(methods=["diloco", "pufferfish+diloco"], inner_steps=7, train=True,
+                      epochs=2, out=str(tmp_path))
+    argv = _train_argv(cfg, "pufferfish+diloco", tmp_path / "run")
+    assert argv[argv.index("--sync") + 1] == "diloco"
+    assert argv[argv.index("--inner-steps") + 1] == "7"
+    plain = BenchConfig(methods=["ddp", "pufferfish"], train=True, epochs=2, out=str(tmp_path))
+    assert "--sync" not in _train_argv(plain, "pufferfish", tmp_path / "r")

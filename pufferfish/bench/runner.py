@@ -87,7 +87,7 @@ from .netns import (
 from .plots import plot_results
 from .results import project, time_to_accuracy_result, train_summary
 from .rounds import compute_check, round_plan, summarize
-from .step import HOOK_OPTIONS, hook_for
+from .step import HOOK_OPTIONS, hook_for, sync_for
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -170,6 +170,7 @@ def _step_argv(cfg: BenchConfig, methods: list[str], out: Path, cache: Path) -> 
         "--model", cfg.model, "--width", str(cfg.width), "--batch-size", str(cfg.batch_size),
         "--steps", str(cfg.steps), "--warmup", str(cfg.warmup),
         "--compute-steps", str(cfg.compute_steps), *_hook_flags(cfg), _channels_flag(cfg),
+        "--inner-steps", str(cfg.inner_steps),
         "--threads", str(cfg.worker_threads()), "--cache-dir", str(cache), "--out", str(out),
     ]  # fmt: skip
     if cfg.data_dir:
@@ -318,6 +319,8 @@ def _train_argv(cfg: BenchConfig, method: str, run_dir: Path) -> list[str]:
     ]  # fmt: skip
     if factorized:
         argv += ["--warmup-epochs", str(cfg.warmup_epochs)]
+    if sync_for(method) == "diloco":
+        argv += ["--sync", "diloco", "--inner-steps", str(cfg.inner_steps)]
     if cfg.train_config:  # its keys first; the flags above override them
         argv[4:4] = ["--config", cfg.train_config]
     if cfg.data_dir:
