@@ -401,6 +401,7 @@ def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
         # Mean over the steps that were applied (NaN if every step of the epoch was skipped).
         "train_loss": total_loss / total_steps if total_steps else float("nan"),
         "skipped_steps": counts["skipped_steps"],
+        "steps": counts["n_steps"] + counts["skipped_steps"],  # optimizer steps of the epoch
         "lr": lr_at(cfg, method.schedule_step(last, steps), steps),
         "epoch_time": counts["epoch_time"],
         "compute_time": counts["compute_time"],
