@@ -8,7 +8,8 @@ The loss per epoch does not depend on the link; the time does. Each epoch's time
 per-message latency is left out). That is the α-β model of ``pufferfish bench`` with α = 0,
 applied to the bytes each run counted where it sent them; ``pufferfish bench`` measures the
 image models' step times over emulated links instead (bench/accuracy.py).
-The target defaults to DDP's final test loss plus 2%.
+The target defaults to DDP's final test loss plus 2%; for image runs the "loss" is the test
+error, 1 - accuracy (``--target 0.3``: 70% accuracy).
 """
 
 from __future__ import annotations
@@ -37,14 +38,17 @@ def main() -> None:
     steps = next(r["steps"] for rows in runs.values() for r in rows if "steps" in r)
     target = args.target or _loss(runs["ddp"][-1]) * 1.02
     links = [float(x) for x in args.links.split(",")]
-    print(f"target test loss {target:.4f} (ppl {math.exp(target):.2f}); {steps} steps per epoch\n")
-    head = ["method", "final ppl", "MB sent / step", "MB sent in all", "MB to target",
+    what = "test loss" if "test_ppl" in runs["ddp"][-1] else "test error (1 - accuracy)"
+    print(f"target {what} {target:.4f}; {steps} steps per epoch\n")
+    head = ["method", "final ppl / acc", "MB sent / step", "MB sent in all", "MB to target",
             *(f"time to target @ {b / 1e6:g} Mbit/s" for b in links)]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for name, rows in runs.items():
         per_epoch = [r.get("steps", steps) * r["comm_bytes_per_step"] for r in rows]
         reached = next((i for i, r in enumerate(rows) if _loss(r) <= target), None)
-        cells = [name, f"{rows[-1].get('test_ppl', float('nan')):.2f}",
+        last = rows[-1]
+        final = f"{last['test_ppl']:.2f}" if "test_ppl" in last else f"{100 * last['test_acc']:.2f}%"
+        cells = [name, final,
                  f"{sum(per_epoch) / sum(r.get('steps', steps) for r in rows) / 1e6:.3f}",
                  f"{sum(per_epoch) / 1e6:.1f}",
                  "-" if reached is None else f"{sum(per_epoch[:reached + 1]) / 1e6:.1f}"]
