@@ -42,6 +42,7 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1, "schedule": "cosine",
               "lr_warmup_epochs": 0.1, "grad_clip": 1.0},
 }
+SYNCS = ("ddp", "diloco")
 # The automatic switch's default cap (max_warmup_epochs 0): a tenth of the run, the paper's warm-up,
 # but at least this many optimizer steps, which the short-run grids needed (docs/benchmarks.md).
 CAP_FRACTION, CAP_MIN_STEPS = 0.1, 150  # the optimizer state of the factors at the switch
@@ -123,6 +124,11 @@ class TrainConfig:
     backend: str = "auto"  # process-group backend: auto is nccl on CUDA, gloo on CPU
     comm: str = "allreduce"  # DDP comm hook (gradient compression baselines; needs torchrun)
     # ... then one field per comm-hook option (see HOOK_OPTIONS)
+    sync: str = "ddp"  # ddp (gradients every step) or diloco (weights every inner_steps steps)
+    inner_steps: int = 50  # diloco: optimizer steps each worker takes alone between outer steps
+    outer_lr: float = 0.7  # diloco: outer Nesterov SGD learning rate on the pseudo-gradients
+    outer_momentum: float = 0.9  # diloco: outer Nesterov momentum, 0 <= m < 1
+    outer_switch_momentum: str = "reset"  # diloco + pufferfish: outer momentum at the switch
     timeout_s: float = 300.0  # process-group timeout: a vanished peer is an error after this
     bucket_mb: str = "auto"  # DDP gradient bucket cap in MiB, torch (1 MiB, then 25), or auto (timed)
     # Run directory and checkpoints
@@ -203,6 +209,7 @@ class TrainConfig:
                               "there is one): allowed one of them")
         self._validate_baselines()
         self._validate_optimizer()
+        self._validate_sync()
         if sorted(self.milestones) != list(self.milestones) or not all(
                 0 < m < 1 for m in self.milestones):
             raise ConfigError(f"milestones {self.milestones!r} are invalid: allowed increasing "
@@ -259,6 +266,30 @@ class TrainConfig:
         if self.mode == "prune" and not -1 <= self.prune_epoch < self.epochs:
             raise ConfigError(f"prune_epoch {self.prune_epoch} is invalid with epochs "
                               f"{self.epochs}: allowed 0 <= prune_epoch < epochs, or -1")
+
+    def _validate_sync(self) -> None:
+        """``sync`` and the DiLoCo keys (see :mod:`pufferfish.distributed.diloco`)."""
+        if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) \
+                or self.inner_steps < 1:
+            raise ConfigError(f"inner_steps {self.inner_steps!r} is invalid: allowed an integer >= 1")
+        _positive("outer_lr", self.outer_lr)
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"outer_momentum {self.outer_momentum!r} is invalid: allowed "
+                              "0 <= outer_momentum < 1")
+        if self.sync != "diloco":
+            return
+        if self.comm != "allreduce":
+            raise ConfigError(f"comm {self.comm!r} is invalid with sync 'diloco' (no gradient is "
+                              "sent per step, the pseudo-gradients are all-reduced): allowed "
+                              "allreduce, or sync ddp")
+        if self.checkpoint_every_steps % self.inner_steps:
+            raise ConfigError(f"checkpoint_every_steps {self.checkpoint_every_steps} is invalid "
+                              f"with sync 'diloco' and inner_steps {self.inner_steps} (checkpoints "
+                              "fall on outer steps): allowed a multiple of inner_steps, or 0")
+        if self.warmup_steps and self.mode == "pufferfish":
+            raise ConfigError(f"warmup_steps {self.warmup_steps:g} is invalid with sync 'diloco' "
+                              "(the switch falls on an outer step, at an epoch start): allowed "
+                              "warmup_epochs, or sync ddp")
 
     # -- derived values ------------------------------------------------------------------
     @property
@@ -354,7 +385,8 @@ def choices() -> dict[str, tuple[str, ...]]:
     return {"model": tuple(MODELS), "mode": tuple(mode_names()), "comm": tuple(hook_names()),
             "schedule": SCHEDULES, "backend": ("auto", "gloo", "nccl"), "nonfinite": NONFINITE,
             "switch_momentum": SWITCH_MOMENTUM, "optimizer": OPTIMIZERS,
-            "galore_proj_type": GALORE_PROJ_TYPES}
+            "galore_proj_type": GALORE_PROJ_TYPES, "sync": SYNCS,
+            "outer_switch_momentum": SWITCH_MOMENTUM}
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -104,14 +104,16 @@ class PufferfishMethod(FullRankMethod):
         Adam's first moment by the chain rule, Adam's second moment through the squared factors,
         Adam's step count kept). ``"reset"`` (the paper): nothing carried, every parameter
         starts with empty state (Adam: moments zero, bias correction from step 0)."""
-        if self.cfg.switch_momentum != "project":
-            return
-        for p in model.parameters():
-            if p in old.state:
-                new.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                                for k, v in old.state[p].items()}
-        for p, entry in projected_state(old.state, before, model).items():
-            new.state[p] = entry
+        if self.cfg.switch_momentum == "project":
+            _carry_projected(old, new, before, model)
+
+    def carry_outer_state(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer,
+                          before: dict[str, torch.Tensor], model: nn.Module) -> None:
+        """DiLoCo's outer Nesterov momentum across the switch: ``outer_switch_momentum``
+        ``"project"`` carries it onto the factors as :meth:`carry_state` does the inner
+        momentum; ``"reset"`` restarts it from zero."""
+        if self.cfg.outer_switch_momentum == "project":
+            _carry_projected(old, new, before, model)
 
     def on_step_end(self, epoch: int, step: int, steps: int, model: nn.Module) -> None:
         # Between epoch ends, feed the switch detector every N steps so that its window (in
@@ -160,3 +162,15 @@ class PufferfishMethod(FullRankMethod):
     def load_state_dict(self, state: dict[str, Any], model: nn.Module) -> None:
         self.switch.load_state_dict(state, model)
         self.switch.plan.rebuild(model)  # the exact factorized architecture
+
+
+def _carry_projected(old: torch.optim.Optimizer, new: torch.optim.Optimizer,
+                     before: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """Survivors keep their optimizer state in ``new``; each factor gets its dense weight's
+    state projected (:func:`~pufferfish.switch.projected_state`)."""
+    for p in model.parameters():
+        if p in old.state:
+            new.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                            for k, v in old.state[p].items()}
+    for p, entry in projected_state(old.state, before, model).items():
+        new.state[p] = entry

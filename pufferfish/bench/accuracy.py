@@ -33,7 +33,7 @@ from ..formatting import markdown_table
 from ..training.metrics import read_metrics
 from . import projection as proj
 from .netns import format_bps
-from .step import BENCH_METHODS, PUFFERFISH_RANK_RATIO, hook_for, parse_method_map
+from .step import BENCH_METHODS, PUFFERFISH_RANK_RATIO, hook_for, parse_method_map, sync_for
 
 __all__ = [
     "FASHION_MNIST_TEST",
@@ -98,7 +98,7 @@ def parse_accuracy_runs(spec: str) -> dict[str, Path]:
 
 def load_accuracy_runs(
     spec: str, *, model: str, width: float, batch_size: int, powersgd_rank: int,
-    workers: int = 2, processes: int = 0,
+    workers: int = 2, processes: int = 0, inner_steps: int = 0,
 ) -> dict[str, AccuracyRun]:
     """Read and check the runs of ``--accuracy-runs`` against what the bench measures.
 
@@ -126,7 +126,9 @@ def load_accuracy_runs(
         factorized, hook = hook_for(method)
         expect = {"data": "fashion-mnist", "model": model, "width": width,
                   "batch_size": batch_size, "mode": "pufferfish" if factorized else "full",
-                  "comm": hook}
+                  "comm": hook, "sync": sync_for(method)}
+        if sync_for(method) == "diloco" and inner_steps:
+            expect["inner_steps"] = inner_steps
         if processes and processes != workers:
             if cfg.batch_size * processes != batch_size * workers:
                 raise ValueError(f"{where}: its global batch {cfg.batch_size} x {processes} "
@@ -163,7 +165,8 @@ def phase_methods(method: str) -> tuple[str, str]:
     factorized, hook = hook_for(method)
     if not factorized:
         return method, method
-    full = next(m for m, (f, h) in BENCH_METHODS.items() if not f and h == hook)
+    full = next(m for m, (f, h) in BENCH_METHODS.items()
+                if not f and h == hook and sync_for(m) == sync_for(method))
     return full, method
 
 

@@ -76,6 +76,7 @@ class BenchConfig:
     train_subset: int = 0
     test_subset: int = 0
     lr: float = 0.1
+    inner_steps: int = 50  # DiLoCo methods: optimizer steps between synchronizations
     train_config: str = ""  # a `pufferfish train` TOML for every other option of the runs
 
     def validate(self) -> None:
@@ -107,7 +108,7 @@ class BenchConfig:
             )
         for option in HOOK_OPTIONS:
             option.check(getattr(self, option.key))
-        for name in ("steps", "compute_steps", "batch_size", "epochs", "rounds"):
+        for name in ("steps", "compute_steps", "batch_size", "epochs", "rounds", "inner_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 1")
         if self.width <= 0:
@@ -192,7 +193,8 @@ class BenchConfig:
         return acc.load_accuracy_runs(self.accuracy_runs, model=self.model, width=self.width,
                                       batch_size=self.batch_size,
                                       powersgd_rank=self.powersgd_rank, workers=self.workers,
-                                      processes=self.accuracy_processes)
+                                      processes=self.accuracy_processes,
+                                      inner_steps=self.inner_steps)
 
     def epochs_per_method(self) -> dict[str, int]:
         """``--train``'s epochs for each of ``methods``: ``--method-epochs`` over ``--epochs``
@@ -295,6 +297,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--test-subset", type=int, default=d.test_subset,
                     help="--train: first N test examples (0: all)")
     ap.add_argument("--lr", type=float, default=d.lr, help="--train: learning rate")
+    ap.add_argument("--inner-steps", type=int, default=d.inner_steps,
+                    help="diloco, pufferfish+diloco: optimizer steps between synchronizations")
     ap.add_argument("--train-config", default=d.train_config, metavar="TOML",
                     help="--train: a `pufferfish train` config file for the runs' other options "
                          "(keep, switch_momentum, schedule, ...); the flags above win")
@@ -318,6 +322,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         method_epochs=args.method_epochs,
         warmup_epochs=args.warmup_epochs, train_subset=args.train_subset,
         test_subset=args.test_subset, lr=args.lr, train_config=args.train_config,
+        inner_steps=args.inner_steps,
         rounds=args.rounds,
         accuracy_runs=args.accuracy_runs, accuracy_processes=args.accuracy_processes,
         compute_ms=args.compute_ms,
@@ -332,7 +337,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 # Settings that describe a measurement, taken from the results when reused.
 _MEASURED = ("model", "width", "methods", "bandwidths", "workers", "steps", "warmup",
              "compute_steps", "batch_size", *(option.key for option in HOOK_OPTIONS), "threads",
-             "rounds", "channels_last", "compile", "bucket_mb")
+             "rounds", "channels_last", "compile", "bucket_mb", "inner_steps")
 
 
 def results_path(path: str) -> Path:

@@ -89,7 +89,7 @@ from .plots import plot_results
 from .progress import TrainingProgress
 from .results import project, time_to_accuracy_result, train_summary
 from .rounds import compute_check, round_plan, summarize
-from .step import HOOK_OPTIONS, hook_for
+from .step import HOOK_OPTIONS, hook_for, sync_for
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -176,7 +176,8 @@ def _step_argv(cfg: BenchConfig, methods: list[str], out: Path, cache: Path) -> 
         "--model", cfg.model, "--width", str(cfg.width), "--batch-size", str(cfg.batch_size),
         "--steps", str(cfg.steps), "--warmup", str(cfg.warmup),
         "--compute-steps", str(cfg.compute_steps), *_hook_flags(cfg), _channels_flag(cfg),
-        "--bucket-mb", str(cfg.bucket_mb), "--threads", str(cfg.worker_threads()), "--cache-dir", str(cache), "--out", str(out),
+        "--bucket-mb", str(cfg.bucket_mb), "--inner-steps", str(cfg.inner_steps),
+        "--threads", str(cfg.worker_threads()), "--cache-dir", str(cache), "--out", str(out),
     ]  # fmt: skip
     if cfg.data_dir:
         argv += ["--data-dir", cfg.data_dir]
@@ -328,6 +329,8 @@ def _train_argv(cfg: BenchConfig, method: str, run_dir: Path) -> list[str]:
     ]  # fmt: skip
     if factorized:
         argv += ["--warmup-epochs", str(cfg.warmup_epochs)]
+    if sync_for(method) == "diloco":
+        argv += ["--sync", "diloco", "--inner-steps", str(cfg.inner_steps)]
     if cfg.train_config:  # its keys first; the flags above override them
         argv[4:4] = ["--config", cfg.train_config]
     if cfg.data_dir:

@@ -33,6 +33,11 @@ every method is compared with its best buckets; the record says which (``bucket_
 ``comm_time``
     ``step_time - compute_time``: the communication (including the hook's encode/decode)
     that overlap with backward did NOT hide. It is what a faster network can save.
+DiLoCo methods (``diloco``, ``pufferfish+diloco``) have no DDP: ``compute_time`` is the median
+of plain local steps, and each timed "full step" is one outer step (the all-reduce of the
+pseudo-gradients, after a barrier) amortized over ``--inner-steps``: ``step_time`` = compute +
+outer step / H, and ``bytes_per_step`` / ``collectives_per_step`` are the outer step's / H.
+
 ``compress_time`` / ``hook_time``, ``bytes_per_step`` / ``ring_bytes_per_step``
     The hook's :class:`~pufferfish.distributed.hooks.CommStats` per step (median times,
     mean bytes). ``bytes_per_step`` is the payload this rank hands to collectives;
@@ -81,6 +86,7 @@ from ..data import (
     load_fashion_mnist,
 )
 from ..distributed.buckets import BucketTuner, bucket_overrides, parse_bucket_mb
+from ..distributed.diloco import DiLoCoState
 from ..distributed.env import cleanup, exit_process
 from ..distributed.hooks import all_hook_options, hook_names, hook_options, register_comm_hook
 from ..galore import galore_optimizer, galore_ranks
@@ -89,8 +95,8 @@ from ..lowrank.factorize import count_params
 from ..models import build_at_width
 from ..training.step import Replica, train_step
 
-__all__ = ["BENCH_METHODS", "HOOK_DEFAULTS", "HOOK_OPTIONS", "LM_MODELS", "PUFFERFISH_RANK_RATIO",
-           "hook_for",
+__all__ = ["BENCH_METHODS", "DILOCO_METHODS", "HOOK_DEFAULTS", "HOOK_OPTIONS", "LM_MODELS",
+           "PUFFERFISH_RANK_RATIO", "hook_for",
            "main", "method_options", "parse_method_map"]
 
 # method -> (factorize the model?, comm hook): plain DDP, every registered comm hook, Pufferfish
@@ -102,7 +108,11 @@ BENCH_METHODS: dict[str, tuple[bool, str]] = {
     "pufferfish": (True, "allreduce"),
     "galore": (False, "allreduce"),  # full-size gradients, GaLore's optimizer
     **{f"pufferfish+{hook}": (True, hook) for hook in hook_names() if hook != "allreduce"},
+    "diloco": (False, "allreduce"),
+    "pufferfish+diloco": (True, "allreduce"),
 }
+# Methods that synchronize with DiLoCo (`pufferfish train --sync diloco`), not DDP every step.
+DILOCO_METHODS = ("diloco", "pufferfish+diloco")
 # The hooks' options (flags --powersgd-rank, --topk-ratio, ...) and where the bench's defaults
 # differ from training's: PowerSGD compresses from step 2, so that the timed steps compress.
 HOOK_OPTIONS = all_hook_options()
@@ -126,6 +136,11 @@ def hook_for(method: str) -> tuple[bool, str]:
     except KeyError:
         raise ValueError(
             f"unknown method {method!r}: allowed {', '.join(BENCH_METHODS)}") from None
+
+
+def sync_for(method: str) -> str:
+    """The ``--sync`` of ``pufferfish train`` a bench method trains with."""
+    return "diloco" if method in DILOCO_METHODS else "ddp"
 
 
 def parse_method_map(spec: str, flag: str, form: str, allowed: Sequence[str],
@@ -179,6 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     for option in HOOK_OPTIONS:
         ap.add_argument("--" + option.key.replace("_", "-"), type=option.kind,
                         default=HOOK_DEFAULTS.get(option.key, option.default))
+    ap.add_argument("--inner-steps", type=int, default=50, help="DiLoCo methods: steps per sync")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data-dir", default=None)
@@ -288,6 +304,8 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
 
     rank = dist.get_rank()
     factorized, hook = hook_for(method)
+    if method in DILOCO_METHODS:
+        return _measure_diloco(args, method, minibatches)
     model, full_params = _build(args, factorized)
     tuner = BucketTuner(args.bucket_mb)
     cap = tuner.start(model, method, steps_per_epoch=sys.maxsize)
@@ -375,6 +393,47 @@ def _torch_buckets_steps(replica: Replica, tuner: BucketTuner, batches: Any,
         batch = next(batches)
         out.append(_timed(lambda b=batch: _train_step(replica, b)))
     return out
+
+
+def _measure_diloco(args: argparse.Namespace, method: str,
+                    minibatches: list[Any]) -> dict[str, Any]:
+    """:func:`measure` for a DiLoCo method: local steps, and outer steps over ``--inner-steps``."""
+    factorized, hook = hook_for(method)
+    model, full_params = _build(args, factorized)
+    state = DiLoCoState(args.inner_steps).bind(model)
+    opt = _optimizer(args, method, model)
+    replica = Replica(model, model, opt)
+    batches = iter(minibatches)
+    for _ in range(args.warmup):
+        _train_step(replica, next(batches))
+    state.sync()
+    compute: list[float] = []
+    syncs: list[float] = []
+    stats: list[dict[str, float]] = []
+    for i in range(max(args.steps, args.compute_steps)):
+        if i < args.compute_steps:
+            batch = next(batches)
+            compute.append(_timed(lambda b=batch: _train_step(replica, b)))
+        if i < args.steps:
+            dist.barrier()  # ranks reach an outer step together after their inner steps
+            state.stats.reset()
+            syncs.append(_timed(state.sync))
+            stats.append(state.stats.snapshot())
+    h = args.inner_steps
+    local = statistics.median(compute)
+    steps = [local + s / h for s in syncs]
+    return {
+        "rank": dist.get_rank(), "step_times": steps, "compute_times": compute,
+        "step_time": statistics.median(steps), "step_time_quartiles": _quartiles(steps),
+        "compute_time": local, "compute_time_quartiles": _quartiles(compute),
+        "compress_time": 0.0, "hook_time": statistics.median(s["hook_time"] for s in stats) / h,
+        "bytes_per_step": statistics.fmean(s["bytes_sent"] for s in stats) / h,
+        "ring_bytes_per_step": statistics.fmean(s["ring_bytes"] for s in stats) / h,
+        "dense_bytes_per_step": statistics.fmean(s["dense_bytes"] for s in stats) / h,
+        "collectives_per_step": 1.0 / h, "outer_step_time": statistics.median(syncs),
+        "inner_steps": h, "params": sum(p.numel() for p in model.parameters()),
+        "params_full": full_params, "factorized": factorized, "hook": hook,
+    }
 
 
 def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:

@@ -94,7 +94,9 @@ class BucketTuner:
         self._trial = None
         grads = gradient_mib(model)
         decision: dict[str, Any] = {"phase": phase, "gradient_mib": round(grads, 4)}
-        if self.setting == TORCH or not distributed:
+        if not distributed:
+            self.cap, decision["rule"] = None, "no DDP wrapper (one process, or --sync diloco)"
+        elif self.setting == TORCH:
             self.cap, decision["rule"] = None, "torch's default buckets (--bucket-mb torch)"
         elif self.setting != AUTO:
             self.cap, decision["rule"] = float(self.setting), "fixed by --bucket-mb"

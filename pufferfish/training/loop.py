@@ -48,6 +48,7 @@ from ..config import ConfigError, TrainConfig, dump_toml
 from ..data import DataError
 from ..distributed import env as dist_env
 from ..distributed.buckets import BucketTuner
+from ..distributed.diloco import DiLoCoState
 from ..distributed.env import DistEnv
 from ..distributed.hooks import hook_options, register_comm_hook
 from . import checkpoint as ckpt
@@ -96,6 +97,7 @@ class Run(Replica):
     progress: Progress = field(default_factory=Progress)
     meter: EpochMeter = field(default_factory=EpochMeter)
     figures: dict[str, Any] | None = None  # the method's model figures, until the next change
+    sync: DiLoCoState | None = None  # --sync diloco: outer optimizer and synchronized weights
     last_checkpoint: Path | None = None
     buckets: BucketTuner = field(default_factory=BucketTuner)  # DDP's bucket cap, and its trials
     change: Change | None = None  # the last change of the model, whose report has the buckets
@@ -123,6 +125,9 @@ def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]
         # without the hook the user asked for.
         raise ConfigError(f"comm {cfg.comm!r} is invalid without a process group: allowed "
                           "'allreduce', or launch under torchrun (--nproc-per-node 1 works)")
+    if not env.distributed and cfg.sync != "ddp":
+        raise ConfigError(f"sync {cfg.sync!r} is invalid without a process group: allowed 'ddp', "
+                          "or launch under torchrun (--nproc-per-node 1 works)")
     finished = False  # every rank ran to the end: the group can be drained (see cleanup)
     try:
         rows = _train(cfg, env, method)
@@ -155,7 +160,8 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     # Before anything is written or loaded: rank 0 decides what happens to the run directory
     # (resume, start, or refuse) and every rank learns it.
     resumed = startup.find_resume_point(cfg, env, run_dir,
-                                        (*tasks.RUN_FIELDS, *optim.RUN_FIELDS, *method.run_fields))
+                                        (*tasks.RUN_FIELDS, *optim.RUN_FIELDS, *method.run_fields,
+                                         *SYNC_FIELDS))
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     task = build_task(cfg, env)
     model = task.model.to(env.device)
@@ -167,7 +173,7 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         "resume_from": None if resumed is None else resumed[1].name}, DataError)
     buckets = BucketTuner(cfg.bucket_mb)
     if resumed is None:
-        buckets.start(model, "start", len(task.train_loader), env.distributed)
+        buckets.start(model, "start", len(task.train_loader), _ddp(cfg, env))
         run = _prepare(cfg, model, env, method, buckets)
     else:
         run = _resume(cfg, env, method, task, model, *resumed, buckets)
@@ -207,10 +213,14 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
 
 # -- set-up and resume -------------------------------------------------------------------------
 
+# What a resume may not change about the synchronization (the checkpoint's layout depends on it).
+SYNC_FIELDS = ("sync", "inner_steps", "outer_lr", "outer_momentum")
+
+
 def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method,
              buckets: BucketTuner) -> Run:
-    """Optimizer, DDP wrapper (with ``buckets.cap``), comm hook and AMP scaler for the model as
-    it is now.
+    """Optimizer, DDP wrapper (with ``buckets.cap``; none under DiLoCo), comm hook and AMP scaler
+    for the model as it is now.
 
     First the memory format: with ``channels_last`` every 4-D weight (convolutions) is stored
     NHWC, which the CPU (oneDNN) and GPU convolution kernels run faster, the small factorized
@@ -220,15 +230,19 @@ def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method,
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
     optimizer = method.build_optimizer(model, cfg)
-    wrapped = dist_env.wrap_ddp(model, env, buckets.cap)
+    # DiLoCo: no DDP wrapper, each worker steps alone until the outer step (_after_step).
+    sync = (DiLoCoState(cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum).bind(model)
+            if cfg.sync == "diloco" else None)
+    wrapped = model if sync is not None else dist_env.wrap_ddp(model, env, buckets.cap)
     scaler = (torch.amp.GradScaler("cuda") if cfg.amp and env.device.type == "cuda" else None)
     if scaler is not None and cfg.comm == "signum":
         # GradScaler divides the reduced gradient by the loss scale; signum's +-1 votes
         # never carried it, so every step would shrink by the scale (2**16 at first).
         raise ConfigError("comm 'signum' is invalid with amp on CUDA (its +-1 votes ignore the "
                           "loss scale): allowed without --amp, or another comm")
-    return Run(model=model, wrapped=wrapped, optimizer=optimizer, scaler=scaler,
-               hook_state=_register_hook(cfg, wrapped, env), buckets=buckets)
+    return Run(model=model, wrapped=wrapped, optimizer=optimizer, scaler=scaler, sync=sync,
+               hook_state=None if sync is not None else _register_hook(cfg, wrapped, env),
+               buckets=buckets)
 
 
 def _register_hook(cfg: TrainConfig, wrapped: nn.Module, env: DistEnv) -> Any:
@@ -244,6 +258,9 @@ def _components(run: Run, method: Method, task: Task) -> tuple[dict[str, Any], d
     shared = {"method": method, "model": run.model, "optimizer": run.optimizer,
               "scaler": run.scaler, "progress": run.progress, "buckets": run.buckets}
     per_rank = {"hook": run.hook_state, "meter": run.meter, "task": task}
+    if run.sync is not None:  # DiLoCo: each worker's inner optimizer state is its own
+        shared["sync"] = run.sync
+        per_rank["optimizer"] = shared.pop("optimizer")
     return shared, per_rank
 
 
@@ -302,10 +319,14 @@ def _rebuild(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Tas
     chosen again for the new model, a fresh optimizer, DDP wrapper and comm hook, with what
     state the method carries over."""
     run.buckets.start(run.model, f"after the {change.name} at epoch {run.progress.epoch}",
-                      len(task.train_loader), env.distributed)  # a new model: new buckets
+                      len(task.train_loader), _ddp(cfg, env))  # a new model: new buckets
     fresh = _prepare(cfg, run.model, env, method, run.buckets)
     method.carry_state(run.optimizer, fresh.optimizer, before, run.model)
+    if run.sync is not None and fresh.sync is not None:  # changed at an outer-step boundary
+        method.carry_outer_state(run.sync.optimizer, fresh.sync.optimizer, before, run.model)
+        fresh.sync.outer_steps = run.sync.outer_steps
     run.optimizer, run.wrapped, run.hook_state = fresh.optimizer, fresh.wrapped, fresh.hook_state
+    run.sync = fresh.sync
     run.figures, run.change = None, change
     dist_env.say(env, change.text)
     _record_change(env, run, run_dir)
@@ -345,8 +366,9 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
     loader.set_epoch(progress.epoch)
     steps = len(loader)
     run.wrapped.train()
-    if run.hook_state is not None:
-        run.hook_state.stats.reset()
+    stats = _comm_stats(run)
+    if stats is not None:
+        stats.reset()
     bar = _progress_bar(cfg, env, progress, steps)
     run.meter.start()
     for i, batch in enumerate(loader):
@@ -363,6 +385,7 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
             loss, bad = _step(cfg, env, run, method, task, batch, i, lr)
         progress.global_step += 1
         progress.step_in_epoch = i + 1
+        _after_step(run, steps)
         method.on_step_end(progress.epoch, i + 1, steps, run.model)
         run.meter.step_done(loss, applied=bad is None)
         bar.update(1)
@@ -421,27 +444,64 @@ def _step(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task, 
     return loss, bad
 
 
+def _ddp(cfg: TrainConfig, env: DistEnv) -> bool:
+    """Whether the model is wrapped in DDP (a process group, and no DiLoCo)."""
+    return env.distributed and cfg.sync == "ddp"
+
+
+def _tokens_per_example(cfg: TrainConfig) -> int:
+    """Tokens in one example of a batch: a sequence for the LMs (llama packs ``seq_len``)."""
+    if not cfg.is_lm:
+        return 1
+    return cfg.seq_len if cfg.model == "llama" else cfg.bptt
+
+
+def _after_step(run: Run, steps: int) -> None:
+    """After an optimizer step, the synchronization's own work: DiLoCo's outer step every
+    ``inner_steps`` steps and at the epoch's end (evaluation, checkpoints and the method's
+    changes then see identical replicas). DDP synchronized inside the step."""
+    if run.sync is not None:
+        run.sync.inner_step_done(run.progress.global_step,
+                                 end_of_epoch=run.progress.step_in_epoch == steps)
+
+
+def _comm_stats(run: Run) -> Any:
+    """Whoever counts this run's bytes: the comm hook (DDP), DiLoCo's state, or none."""
+    owner = run.sync if run.sync is not None else run.hook_state
+    return None if owner is None else owner.stats
+
+
 def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
                steps: int) -> dict[str, Any]:
     """The epoch's metrics: its mean loss over all ranks, times, and the comm hook's counts."""
     counts = run.meter.finish()
     total_loss, total_steps = dist_env.all_reduce_sum([counts["loss_sum"], counts["n_steps"]], env)
-    stats = run.hook_state.stats.snapshot() if run.hook_state is not None else {}
+    counter = _comm_stats(run)
+    stats = counter.snapshot() if counter is not None else {}
     last = run.progress.global_step - 1
-    return {
+    per_step = stats.get("bytes_sent", 0.0) / max(1, counts["local_steps"])
+    row = {
         "epoch": run.progress.epoch + 1,
         # Mean over the steps that were applied (NaN if every step of the epoch was skipped).
         "train_loss": total_loss / total_steps if total_steps else float("nan"),
         "skipped_steps": counts["skipped_steps"],
+        "steps": counts["n_steps"] + counts["skipped_steps"],  # optimizer steps of the epoch
         "lr": lr_at(cfg, method.schedule_step(last, steps), steps),
         "epoch_time": counts["epoch_time"],
         "compute_time": counts["compute_time"],
         "data_time": counts["data_time"],
         # Per step this process took: after a mid-epoch resume the stats cover only those.
-        "comm_bytes_per_step": stats.get("bytes_sent", 0.0) / max(1, counts["local_steps"]),
+        # DiLoCo: its outer steps' bytes spread over all optimizer steps, so methods compare.
+        "comm_bytes_per_step": per_step,
+        "comm_bytes_per_sample": per_step / (cfg.batch_size * _tokens_per_example(cfg)),
         "compress_time": stats.get("compress_time", 0.0),
         "comm_time": stats.get("comm_time", 0.0),
     }
+    if run.sync is not None:
+        row["outer_steps"] = run.sync.outer_steps  # of the run so far
+        row["comm_bytes_per_outer_step"] = (stats.get("bytes_sent", 0.0)
+                                            / max(1, stats.get("comm_calls", 0)))
+    return row
 
 
 def _progress_bar(cfg: TrainConfig, env: DistEnv, progress: Progress, steps: int) -> Any:

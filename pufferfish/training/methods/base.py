@@ -83,6 +83,11 @@ class Method:
         a change of the model mid-epoch (the switch at ``warmup_steps``), or None."""
         return None
 
+    def carry_outer_state(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer,
+                          before: dict[str, torch.Tensor], model: nn.Module) -> None:
+        """As :meth:`carry_state`, for DiLoCo's outer optimizer (its momentum on the
+        synchronized weights, ``--sync diloco``). Default: none, the outer momentum restarts."""
+
     def on_step_end(self, epoch: int, step: int, steps: int, model: nn.Module) -> None:
         """After optimizer step ``step`` (1-based) of ``steps`` in ``epoch``: observe only."""
 
