@@ -24,6 +24,7 @@ __all__ = ["ConfigError", "TrainConfig", "dump_toml", "load_config"]
 SCHEDULES = ("multistep", "cosine", "constant")
 NONFINITE = ("stop", "skip")
 SWITCH_MOMENTUM = ("reset", "project")
+PARALLEL = ("ddp", "fsdp")
 # The automatic switch's default cap (max_warmup_epochs 0): a tenth of the run, the paper's warm-up,
 # but at least this many optimizer steps, which the short-run grids needed (docs/benchmarks.md).
 CAP_FRACTION, CAP_MIN_STEPS = 0.1, 150  # the optimizer state of the factors at the switch
@@ -93,6 +94,7 @@ class TrainConfig:
     dropout: float = 0.65
     # Distributed
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU), gloo, nccl
+    parallel: str = "ddp"  # ddp (replicas, comm hooks) or fsdp (FSDP2: weights, grads, optimizer state sharded)
     comm: str = "allreduce"  # a registered comm hook: allreduce, fp16, powersgd, signum, topk
     # ... then one field per comm-hook option (see HOOK_OPTIONS)
     timeout_s: float = 300.0  # process-group timeout: a vanished peer is an error after this
@@ -117,6 +119,9 @@ class TrainConfig:
         _choice("comm", self.comm, hook_names())
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("backend", self.backend, ("auto", "gloo", "nccl"))
+        _choice("parallel", self.parallel, PARALLEL)
+        if self.parallel == "fsdp":
+            self._check_fsdp()
         _choice("nonfinite", self.nonfinite, NONFINITE)
         _choice("switch_momentum", self.switch_momentum, SWITCH_MOMENTUM)
         _positive("width", self.width)
@@ -190,6 +195,24 @@ class TrainConfig:
         if self.mode == "prune" and not -1 <= self.prune_epoch < self.epochs:
             raise ConfigError(f"prune_epoch {self.prune_epoch} is invalid with epochs "
                               f"{self.epochs}: allowed 0 <= prune_epoch < epochs, or -1")
+
+    def _check_fsdp(self) -> None:
+        """What FSDP2 runs here: comm hooks are DDP's; automatic choices and projected momentum
+        read dense weights of every layer at once, which a sharded model does not hold."""
+        if self.comm != "allreduce":
+            raise ConfigError(f"comm {self.comm!r} is invalid with parallel 'fsdp' (comm hooks are "
+                              "DDP's; FSDP2 all-gathers and reduce-scatters): allowed allreduce")
+        if self.mode not in ("full", "pufferfish", "lowrank"):
+            raise ConfigError(f"mode {self.mode!r} is invalid with parallel 'fsdp': allowed full, "
+                              "pufferfish, lowrank")
+        for name, value in (("rank_ratio", self.rank_ratio), ("warmup_epochs", self.warmup_epochs),
+                            ("keep", "auto" if self.keep_auto else "")):
+            if value == "auto":
+                raise ConfigError(f"{name} 'auto' is invalid with parallel 'fsdp' (it reads every "
+                                  "layer's dense weights): allowed a fixed value")
+        if self.switch_momentum != "reset":
+            raise ConfigError(f"switch_momentum {self.switch_momentum!r} is invalid with parallel "
+                              "'fsdp': allowed reset")
 
     # -- derived values ------------------------------------------------------------------
     @property

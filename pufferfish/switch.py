@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .auto import (
@@ -35,6 +36,7 @@ from .auto import (
     profile_keep,
     time_kernels,
 )
+from .distributed import fsdp
 from .distributed.env import broadcast_object
 from .lowrank import FactorizationReport, LowRankModule, factorize
 from .lowrank.factorize import factorizable_modules, format_table
@@ -250,7 +252,17 @@ class FactorizationPlan:
               unsettled: Iterable[str] = ()) -> FactorizationReport:
         """Factorize ``model`` in place, choose the kernel of each layer that has several, record
         both."""
-        self.report = factorize(model, **self.factorize_kwargs(model, tracker, unsettled))
+        kwargs = self.factorize_kwargs(model, tracker, unsettled)
+        sharded = fsdp.is_sharded(model)
+        if sharded:  # dense weights gathered one layer at a time
+            kwargs["materialize"] = fsdp.gathered
+        with warnings.catch_warnings():
+            if sharded:  # FSDP2's own state-dict hooks stay with the module they served
+                warnings.filterwarnings("ignore", message="the state_dict hooks of")
+            self.report = factorize(model, **kwargs)
+        if sharded:  # every rank shards its own copy: they must be the same
+            fsdp.check_replicated((n, p) for n, p in model.named_parameters()
+                                  if not isinstance(p, DTensor))
         if self.example_input is not None:
             self._choose_kernels(model)
         self.ranks = self.report.ranks

@@ -47,6 +47,7 @@ from tqdm import tqdm
 from ..config import ConfigError, TrainConfig, dump_toml
 from ..data import DataError
 from ..distributed import env as dist_env
+from ..distributed import fsdp
 from ..distributed.env import DistEnv
 from ..distributed.hooks import hook_options, register_comm_hook
 from . import checkpoint as ckpt
@@ -119,6 +120,9 @@ def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]
         # without the hook the user asked for.
         raise ConfigError(f"comm {cfg.comm!r} is invalid without a process group: allowed "
                           "'allreduce', or launch under torchrun (--nproc-per-node 1 works)")
+    if not env.distributed and cfg.parallel == "fsdp":
+        raise ConfigError("parallel 'fsdp' is invalid without a process group: allowed 'ddp', or "
+                          "launch under torchrun (--nproc-per-node 1 works)")
     finished = False  # every rank ran to the end: the group can be drained (see cleanup)
     try:
         rows = _train(cfg, env, method)
@@ -193,12 +197,14 @@ def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method) -
     convolutions most (docs/benchmarks.md). Here, because this runs before every DDP wrap, so
     modules a method swapped in are converted too; the parameters stay the same objects.
     """
-    if cfg.channels_last:
+    if cfg.channels_last and cfg.parallel == "ddp":  # FSDP2 shards contiguous parameters only
         model.to(memory_format=torch.channels_last)
+    wrapped = (fsdp.shard(model, fsdp.mixed_precision(env.device, cfg.amp))
+               if cfg.parallel == "fsdp" else dist_env.wrap_ddp(model, env))
+    # After sharding: FSDP2 replaces the parameters by their shards (DTensors).
     optimizer = torch.optim.SGD(method.param_groups(model, cfg), lr=cfg.lr,
                                 momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
                                 weight_decay=cfg.weight_decay)
-    wrapped = dist_env.wrap_ddp(model, env)
     scaler = (torch.amp.GradScaler("cuda") if cfg.amp and env.device.type == "cuda" else None)
     if scaler is not None and cfg.comm == "signum":
         # GradScaler divides the reduced gradient by the loss scale; signum's +-1 votes
@@ -210,7 +216,7 @@ def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method) -
 
 
 def _register_hook(cfg: TrainConfig, wrapped: nn.Module, env: DistEnv) -> Any:
-    if not env.distributed:
+    if not env.distributed or cfg.parallel == "fsdp":  # comm hooks are DDP's
         return None
 
     return register_comm_hook(wrapped, cfg.comm, **hook_options(cfg.comm, cfg))
@@ -230,10 +236,20 @@ def _resume(cfg: TrainConfig, env: DistEnv, method: Method, task: Task, model: n
     """The run as the checkpoint ``saved`` left it: the architecture and weights first (the
     optimizer is built on them), then every other component from its own entry."""
     method.load_state_dict(saved["method"], model)  # e.g. rebuild the factorized architecture
-    startup.load_model(model, saved["model"], path)
+    written = "fsdp" if "sharded" in saved else "ddp"
+    if written != cfg.parallel:
+        raise ckpt.CheckpointError(f"checkpoint {path} was written with --parallel {written}: "
+                                   f"resume it with --parallel {written}")
+    if written == "ddp":
+        startup.load_model(model, saved["model"], path)
     run = _prepare(cfg, model, env, method)
     shared, per_rank = _components(run, method, task)
-    del shared["method"], shared["model"]  # loaded above
+    del shared["method"], shared["model"]  # loaded above (or below, sharded)
+    if written == "fsdp":  # each rank reads its own shards, resharded by DCP if need be
+        state = fsdp.sharded_state(run.model, run.optimizer)
+        ckpt.load_sharded(path, saved["sharded"], state)
+        fsdp.load_sharded_state(run.model, run.optimizer, state)
+        del shared["optimizer"]
     ranks = saved.get("ranks") or []
     mine = ranks[env.rank] if env.rank < len(ranks) else {}
     for components, states in ((shared, saved), (per_rank, mine)):
@@ -370,6 +386,9 @@ def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
         "comm_bytes_per_step": stats.get("bytes_sent", 0.0) / max(1, counts["local_steps"]),
         "compress_time": stats.get("compress_time", 0.0),
         "comm_time": stats.get("comm_time", 0.0),
+        # FSDP2: all-gather + reduce-scatter bytes and sharded memory (docs/benchmarks.md)
+        **(fsdp.step_figures(run.model, run.optimizer, env.world_size)
+           if cfg.parallel == "fsdp" else {}),
     }
 
 
@@ -411,11 +430,18 @@ def _checkpoint(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: 
             f"{progress.step_in_epoch} (global step {progress.global_step}): not saved; last "
             f"good checkpoint: {run.last_checkpoint or 'none'}; lower --lr or set --grad-clip")
     shared, per_rank = _components(run, method, task)
+    sharded = {}
+    if cfg.parallel == "fsdp":  # model and optimizer: every rank writes its shards (DCP)
+        with _signals_deferred():
+            sharded = {"sharded": ckpt.save_sharded(
+                run_dir, progress.global_step, fsdp.sharded_state(run.model, run.optimizer),
+                env.is_main)}
+        del shared["model"], shared["optimizer"]
     ranks = dist_env.gather_object(_states(per_rank), env)
     written = error = None
     if env.is_main:
         payload = {"config": cfg.to_dict(), "world_size": env.world_size, **_states(shared),
-                   "ranks": ranks}
+                   "ranks": ranks, **sharded}
         try:
             with _signals_deferred():  # Ctrl-C / SIGTERM wait for the write (or its cleanup)
                 written = str(ckpt.save_checkpoint(run_dir, payload, progress.global_step,
@@ -482,7 +508,7 @@ def _snapshot(model: nn.Module, task: Task) -> Callable[[], None]:
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every element is finite; the max-abs norm is exact (a 2-norm of huge but finite
     values overflows to inf) and propagates NaN."""
-    tensors = [t for t in tensors if t.is_floating_point()]
+    tensors = [fsdp.local(t) for t in tensors if t.is_floating_point()]  # a shard: voted per rank
     return not tensors or math.isfinite(nn.utils.get_total_norm(tensors, math.inf).item())
 
 
