@@ -252,8 +252,11 @@ class FactorizationPlan:
               unsettled: Iterable[str] = ()) -> FactorizationReport:
         """Factorize ``model`` in place, choose the kernel of each layer that has several, record
         both."""
-        kwargs = self.factorize_kwargs(model, tracker, unsettled)
         sharded = fsdp.is_sharded(model)
+        if sharded and (self.rank_ratio == "auto" or self.keep_auto):
+            raise ValueError("rank_ratio/keep 'auto' are invalid on a fully_shard-ed model (they "
+                             "read every layer's dense weights at once): allowed fixed values")
+        kwargs = self.factorize_kwargs(model, tracker, unsettled)
         if sharded:  # dense weights gathered one layer at a time
             kwargs["materialize"] = fsdp.gathered
         with warnings.catch_warnings():
@@ -355,6 +358,10 @@ class Switch:
 
     def observe(self, t: float, model: nn.Module) -> dict[str, float]:
         self.check(model)
+        if self.policy.detector is not None and fsdp.is_sharded(_unwrap(model)):
+            raise ValueError("automatic choices (warmup_epochs/rank_ratio 'auto') are invalid on "
+                             "a fully_shard-ed model (the stable ranks read every layer's dense "
+                             "weights): allowed fixed values")
         return self.policy.observe(t, model, self.plan.static_keep(model))
 
     def due(self, epoch: int, model: nn.Module) -> bool:

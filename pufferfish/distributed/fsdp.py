@@ -107,8 +107,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Model and optimizer state as DTensors by qualified name, for ``torch.distributed.checkpoint``
-    (no gather: each rank holds its shards)."""
+    (no gather: each rank holds its shards); the buffers are rank 0's, as in a DDP checkpoint."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    _broadcast_buffers(model)
 
     model_state, optim_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optim_state}
@@ -212,10 +214,14 @@ def _forget_root(model: nn.Module) -> None:
 
 def _sync_buffers(module: nn.Module, _args: Any) -> None:
     """Rank 0's buffers to every rank before a training forward (DDP's ``broadcast_buffers``)."""
-    if not module.training or not dist.is_initialized():
-        return
-    for b in module.buffers():
-        dist.broadcast(b, src=0)
+    if module.training:
+        _broadcast_buffers(module)
+
+
+def _broadcast_buffers(module: nn.Module) -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for b in module.buffers():
+            dist.broadcast(b, src=0)
 
 
 @contextlib.contextmanager
