@@ -39,6 +39,7 @@ from .auto import (
 from .distributed import fsdp
 from .distributed.env import broadcast_object
 from .lowrank import FactorizationReport, LowRankModule, factorize
+from .lowrank.base import low_rank_class_for_type
 from .lowrank.factorize import factorizable_modules, format_table
 
 __all__ = ["FactorizationPlan", "Switch", "SwitchPolicy", "projected_momentum"]
@@ -259,6 +260,7 @@ class FactorizationPlan:
         kwargs = self.factorize_kwargs(model, tracker, unsettled)
         if sharded:  # dense weights gathered one layer at a time
             kwargs["materialize"] = fsdp.gathered
+            fsdp.unwrap_layers(model, lambda kind: low_rank_class_for_type(kind) is not None)
         with warnings.catch_warnings():
             if sharded:  # FSDP2's own state-dict hooks stay with the module they served
                 warnings.filterwarnings("ignore", message="the state_dict hooks of")

@@ -3,6 +3,9 @@
 ``recipe``: a user's own ``fully_shard``-ed ResNet-18 through ``pf.Recipe``'s switch, against the
 same recipe on an unsharded model fed both ranks' half-batches (what data parallel computes);
 writes both loss sequences and what the switch did to the optimizer.
+``lightning ddp|fsdp``: the Lightning callback's switch under ``strategy="ddp"`` and under
+``ModelParallelStrategy`` (the module shards each of its layers with ``fully_shard`` in
+``configure_model``); writes rank 0's losses and what the switch did.
 ``save`` / ``load``: the sharded state of a switched model written with ``save_sharded`` by this
 group, and read back by a group of another size (DCP reshards), with the full tensors of both
 sides for an exact comparison.
@@ -149,10 +152,60 @@ def load(out: Path, again: Path | None) -> None:
             torch.save({**saved, "record": record}, again / "reference.pt")
 
 
+def lightning(out: Path, strategy: str) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from pufferfish.integrations.lightning import PufferfishCallback
+
+    class Classifier(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                                     nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+            self.losses: list[float] = []
+
+        def configure_model(self) -> None:
+            if strategy == "fsdp":  # the user's own sharding: each layer, then the network
+                mesh = self.device_mesh["data_parallel"]
+                for layer in self.net:
+                    if isinstance(layer, nn.Linear):
+                        fully_shard(layer, mesh=mesh)
+                fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=g)
+    module = Classifier()
+    callback = PufferfishCallback(warmup_epochs=1, rank_ratio=0.25, keep=["net.0"], verbose=False)
+    chosen = (ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+              if strategy == "fsdp" else "ddp")
+    trainer = pl.Trainer(max_epochs=3, accelerator="cpu", devices=2, strategy=chosen,
+                         callbacks=[callback], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(TensorDataset(x, x[:, :4].argmax(1)), batch_size=8))
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps({
+            "losses": module.losses, "switched_at": callback.recipe.switched_at,
+            "params_after": callback.report.params_after,
+            "sharded": all(isinstance(p, DTensor) for p in module.parameters())}))
+
+
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
+    if sys.argv[1] != "lightning":  # Lightning forms its own group
+        dist.init_process_group("gloo")
     mode, out = sys.argv[1], Path(sys.argv[2])
     {"recipe": lambda: recipe(out), "save": lambda: save(out),
+     "lightning": lambda: lightning(out, sys.argv[3]),
      "load": lambda: load(out, Path(sys.argv[3]) if len(sys.argv) > 3 else None)}[mode]()
     dist.barrier()
     dist.destroy_process_group()

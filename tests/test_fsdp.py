@@ -171,3 +171,16 @@ def test_recipe_switches_a_users_fully_shard_model_like_data_parallel(tmp_path: 
     # the optimizer edited in place as without sharding: the same removals, additions, states
     for key in ("kept_with_state", "removed", "added", "lr"):
         assert sharded[key] == reference[key], key
+
+
+def test_lightning_callback_switches_a_fully_shard_model_like_ddp(tmp_path: Path) -> None:
+    """Lightning's ModelParallelStrategy (gloo on CPU): each layer a unit of its own."""
+    got = {}
+    for strategy in ("ddp", "fsdp"):
+        result = torchrun(2, str(WORKER), "lightning", str(tmp_path / strategy), strategy)
+        assert result.returncode == 0, result.stderr[-3000:]
+        got[strategy] = json.loads((tmp_path / strategy).read_text())
+    assert got["fsdp"]["sharded"] and not got["ddp"]["sharded"]
+    assert got["fsdp"]["switched_at"] == got["ddp"]["switched_at"] == 1
+    assert got["fsdp"]["params_after"] == got["ddp"]["params_after"] == 5_384
+    assert got["fsdp"]["losses"] == pytest.approx(got["ddp"]["losses"], rel=1e-5)

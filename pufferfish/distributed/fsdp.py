@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,14 +35,43 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["FsdpBytes", "check_replicated", "comm_bytes", "fsdp_units",
-           "gathered", "is_sharded", "load_sharded_state", "local", "mixed_precision", "shard",
-           "sharded_state", "sharded_state_bytes", "step_figures"]
+__all__ = [
+    "FsdpBytes",
+    "check_replicated",
+    "comm_bytes",
+    "fsdp_units",
+    "gathered",
+    "is_sharded",
+    "load_sharded_state",
+    "local",
+    "mixed_precision",
+    "shard",
+    "sharded_state",
+    "sharded_state_bytes",
+    "step_figures",
+    "unwrap_layers",
+]
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` is an FSDP2 root (``fully_shard`` applied to it)."""
-    return isinstance(model, FSDPModule)
+    """Whether ``fully_shard`` was applied to ``model`` or to modules in it (a Lightning module
+    whose ``configure_model`` shards its network)."""
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _roots(model: nn.Module) -> list[nn.Module]:
+    """The outermost FSDP2 modules of ``model``: each is the root of its own units."""
+    roots: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if isinstance(module, FSDPModule):
+            roots.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return roots
 
 
 def fsdp_units(model: nn.Module) -> list[str]:
@@ -82,14 +111,8 @@ def shard(model: nn.Module, mp_policy: MixedPrecisionPolicy | None = None,
     parameters, then the root (see the module docs), with the options the root had.
     """
     if is_sharded(model):
-        options = _options(model)
-        rebuilt = [m for m in _units(model) if _holds_plain(m)]
-        for module in [*rebuilt, model]:
-            _remove_fsdp(module)
-        for module in rebuilt:
-            fully_shard(module, **options)
-        _forget_root(model)
-        fully_shard(model, **{**options, "reshard_after_forward": None})
+        for root in _roots(model):
+            _rebuild(root)
         return model
     mp = mp_policy or MixedPrecisionPolicy()
     for name in fsdp_units(model):
@@ -125,6 +148,43 @@ def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                    optim_state_dict=state["optimizer"])
 
 
+def unwrap_layers(model: nn.Module, replaced: Callable[[type], bool]) -> None:
+    """Remove FSDP2 from units that are single layers the switch replaces (a user's
+    ``fully_shard(linear)``), gathering that layer's weights; :func:`shard` makes the module at
+    the same name a unit again (remembered on the root)."""
+    for root in _roots(model):
+        names = [n for n, m in root.named_modules() if m is not root
+                 and isinstance(m, FSDPModule) and replaced(_original_class(m))]
+        if names:
+            root.__dict__.setdefault(_OPTIONS, _options(root))  # the mesh, while units have it
+        for name in names:
+            _remove_fsdp(root.get_submodule(name))
+        root.__dict__.setdefault(_LAYER_UNITS, set()).update(names)
+
+
+_LAYER_UNITS, _OPTIONS = "_pufferfish_layer_units", "_pufferfish_fsdp_options"
+
+
+def _original_class(module: nn.Module) -> type:
+    return type(module).__mro__[FSDPModule._orig_cls_mro_index]
+
+
+def _rebuild(root: nn.Module) -> None:
+    """Shard again the units of ``root`` that hold unsharded parameters, then ``root``."""
+    options = root.__dict__.pop(_OPTIONS, None) or _options(root)
+    rebuilt = [m for m in _units(root) if _holds_plain(m)]
+    for module in [*rebuilt, root]:
+        _remove_fsdp(module)
+    for name in sorted(root.__dict__.get(_LAYER_UNITS, ())):  # layers before their parents
+        layer = root.get_submodule(name)
+        if not isinstance(layer, FSDPModule):
+            fully_shard(layer, **options)
+    for module in rebuilt:
+        fully_shard(module, **options)
+    _forget_root(root)
+    fully_shard(root, **{**options, "reshard_after_forward": None})
+
+
 def _units(model: nn.Module) -> list[nn.Module]:
     """The FSDP units below the root, deepest first."""
     found = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
@@ -149,11 +209,12 @@ def _managed_params(unit: nn.Module) -> Iterator[nn.Parameter]:
 def _options(model: nn.Module) -> dict[str, Any]:
     """``fully_shard`` options that rebuild the units as they were built (mesh, precision)."""
     state = model._get_fsdp_state()  # type: ignore[operator]
-    group = state._fsdp_param_groups[0] if state._fsdp_param_groups else None
+    groups = [g for m in model.modules() if isinstance(m, FSDPModule)
+              for g in m._get_fsdp_state()._fsdp_param_groups]  # type: ignore[operator]
     units = _units(model)
     inner = units[0]._get_fsdp_state()._fsdp_param_groups if units else []  # type: ignore[operator]
     reshard = bool(inner and inner[0].post_forward_mesh_info is not None)
-    return {"mesh": group.mesh_info.mesh if group is not None else None,
+    return {"mesh": groups[0].mesh_info.mesh if groups else None,
             "mp_policy": state._mp_policy, "reshard_after_forward": reshard}
 
 
@@ -192,7 +253,7 @@ def _remove_fsdp(module: nn.Module) -> None:
         for k in [k for k, v in entries.items() if v is state or k == "fully_shard"]:
             del entries[k]
     _module_state_mapping.pop(module, None)
-    module.__class__ = type(module).__mro__[FSDPModule._orig_cls_mro_index]
+    module.__class__ = _original_class(module)
 
 
 def _named_managed(unit: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Parameter]]:
@@ -292,7 +353,7 @@ def comm_bytes(model: nn.Module, world_size: int) -> FsdpBytes:
     """
     gather = scatter = ring = 0.0
     p = world_size
-    for unit in [*_units(model), model] if is_sharded(model) else []:
+    for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
         state = unit._get_fsdp_state()  # type: ignore[operator]
         for group in state._fsdp_param_groups:
             mp = state._mp_policy
