@@ -6,6 +6,9 @@ writes both loss sequences and what the switch did to the optimizer.
 ``lightning ddp|fsdp``: the Lightning callback's switch under ``strategy="ddp"`` and under
 ``ModelParallelStrategy`` (the module shards each of its layers with ``fully_shard`` in
 ``configure_model``); writes rank 0's losses and what the switch did.
+``count``: the bytes FSDP2 hands to its all-gathers and reduce-scatters in one training step,
+counted at ``torch.distributed``, before and after the switch, beside
+:func:`pufferfish.distributed.fsdp.comm_bytes`.
 ``save`` / ``load``: the sharded state of a switched model written with ``save_sharded`` by this
 group, and read back by a group of another size (DCP reshards), with the full tensors of both
 sides for an exact comparison.
@@ -17,6 +20,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -152,6 +156,35 @@ def load(out: Path, again: Path | None) -> None:
             torch.save({**saved, "record": record}, again / "reference.pt")
 
 
+def count(out: Path) -> None:
+    counted = {"all_gather": 0, "reduce_scatter": 0}
+
+    def counting(name: str, collective: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
+            counted[name] += tensor.numel() * tensor.element_size()
+            return collective(*args, **kwargs)
+        return call
+
+    dist.all_gather_single = counting("all_gather", dist.all_gather_single)
+    dist.reduce_scatter_single = counting("reduce_scatter", dist.reduce_scatter_single)
+    m = fsdp.shard(model())
+    x, y = batches(1)[0]
+    rows = []
+    for switch in (False, True):
+        if switch:
+            pf.Recipe(warmup_epochs=0, preset="paper").on_epoch_start(0, m, None)
+        for _ in range(2):  # the second step counted (the first one lazily initializes)
+            for key in counted:
+                counted[key] = 0
+            nn.functional.cross_entropy(m(x), y).backward()
+        predicted = fsdp.comm_bytes(m, dist.get_world_size())
+        rows.append({"counted": dict(counted), "all_gather": predicted.all_gather,
+                     "reduce_scatter": predicted.reduce_scatter})
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(rows))
+
+
 def lightning(out: Path, strategy: str) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -205,7 +238,7 @@ if __name__ == "__main__":
         dist.init_process_group("gloo")
     mode, out = sys.argv[1], Path(sys.argv[2])
     {"recipe": lambda: recipe(out), "save": lambda: save(out),
-     "lightning": lambda: lightning(out, sys.argv[3]),
+     "lightning": lambda: lightning(out, sys.argv[3]), "count": lambda: count(out),
      "load": lambda: load(out, Path(sys.argv[3]) if len(sys.argv) > 3 else None)}[mode]()
     dist.barrier()
     dist.destroy_process_group()

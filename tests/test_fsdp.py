@@ -184,3 +184,16 @@ def test_lightning_callback_switches_a_fully_shard_model_like_ddp(tmp_path: Path
     assert got["fsdp"]["switched_at"] == got["ddp"]["switched_at"] == 1
     assert got["fsdp"]["params_after"] == got["ddp"]["params_after"] == 5_384
     assert got["fsdp"]["losses"] == pytest.approx(got["ddp"]["losses"], rel=1e-5)
+
+
+def test_bytes_per_step_are_what_fsdp_hands_to_its_collectives(tmp_path: Path) -> None:
+    """comm_bytes' formula against the bytes counted at torch.distributed, before and after the
+    switch: all-gathers (forward, and backward for every unit but the root) and reduce-scatters."""
+    out = tmp_path / "count.json"
+    result = torchrun(2, str(WORKER), "count", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    before, after = json.loads(out.read_text())
+    for row in (before, after):
+        assert row["counted"]["all_gather"] == row["all_gather"]
+        assert row["counted"]["reduce_scatter"] == row["reduce_scatter"]
+    assert after["all_gather"] < before["all_gather"] / 3
