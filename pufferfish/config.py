@@ -43,6 +43,7 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
               "lr_warmup_epochs": 0.1, "grad_clip": 1.0},
 }
 SYNCS = ("ddp", "diloco")
+PARALLEL = ("ddp", "fsdp")
 # The automatic switch's default cap (max_warmup_epochs 0): a tenth of the run, the paper's warm-up,
 # but at least this many optimizer steps, which the short-run grids needed (docs/benchmarks.md).
 CAP_FRACTION, CAP_MIN_STEPS = 0.1, 150  # the optimizer state of the factors at the switch
@@ -122,6 +123,7 @@ class TrainConfig:
     eval_every_steps: int = 0  # also evaluate every N optimizer steps (0: at epoch ends only)
     # Distributed
     backend: str = "auto"  # process-group backend: auto is nccl on CUDA, gloo on CPU
+    parallel: str = "ddp"  # ddp (replicas, comm hooks) or fsdp (FSDP2: weights, grads, optimizer state sharded)
     comm: str = "allreduce"  # DDP comm hook (gradient compression baselines; needs torchrun)
     # ... then one field per comm-hook option (see HOOK_OPTIONS)
     sync: str = "ddp"  # ddp (gradients every step) or diloco (weights every inner_steps steps)
@@ -151,6 +153,8 @@ class TrainConfig:
     def validate(self) -> None:
         for name, allowed in choices().items():
             _choice(name, getattr(self, name), allowed)
+        if self.parallel == "fsdp":
+            self._check_fsdp()
         _positive("width", self.width)
         _positive("epochs", self.epochs)
         _positive("batch_size", self.batch_size)
@@ -290,6 +294,29 @@ class TrainConfig:
             raise ConfigError(f"warmup_steps {self.warmup_steps:g} is invalid with sync 'diloco' "
                               "(the switch falls on an outer step, at an epoch start): allowed "
                               "warmup_epochs, or sync ddp")
+    def _check_fsdp(self) -> None:
+        """What FSDP2 runs here: comm hooks are DDP's; automatic choices and projected momentum
+        read dense weights of every layer at once, which a sharded model does not hold."""
+        if self.comm != "allreduce":
+            raise ConfigError(f"comm {self.comm!r} is invalid with parallel 'fsdp' (comm hooks are "
+                              "DDP's; FSDP2 all-gathers and reduce-scatters): allowed allreduce")
+        if self.mode not in ("full", "pufferfish", "lowrank"):
+            raise ConfigError(f"mode {self.mode!r} is invalid with parallel 'fsdp': allowed full, "
+                              "pufferfish, lowrank")
+        for name, value in (("rank_ratio", self.rank_ratio), ("warmup_epochs", self.warmup_epochs),
+                            ("keep", "auto" if self.keep_auto else "")):
+            if value == "auto":
+                raise ConfigError(f"{name} 'auto' is invalid with parallel 'fsdp' (it reads every "
+                                  "layer's dense weights): allowed a fixed value")
+        if self.switch_momentum != "reset":
+            raise ConfigError(f"switch_momentum {self.switch_momentum!r} is invalid with parallel "
+                              "'fsdp': allowed reset")
+        if self.sync != "ddp":
+            raise ConfigError(f"sync {self.sync!r} is invalid with parallel 'fsdp' (DiLoCo on "
+                              "sharded weights is not built yet): allowed sync ddp")
+        if self.compile:
+            raise ConfigError("compile true is invalid with parallel 'fsdp' (not tested through "
+                              "the re-sharding at the switch): allowed --no-compile")
 
     # -- derived values ------------------------------------------------------------------
     @property
@@ -386,7 +413,7 @@ def choices() -> dict[str, tuple[str, ...]]:
             "schedule": SCHEDULES, "backend": ("auto", "gloo", "nccl"), "nonfinite": NONFINITE,
             "switch_momentum": SWITCH_MOMENTUM, "optimizer": OPTIMIZERS,
             "galore_proj_type": GALORE_PROJ_TYPES, "sync": SYNCS,
-            "outer_switch_momentum": SWITCH_MOMENTUM}
+            "outer_switch_momentum": SWITCH_MOMENTUM, "parallel": PARALLEL}
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

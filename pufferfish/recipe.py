@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .distributed import fsdp
 from .distributed.buckets import AUTO, TORCH, bucket_overrides, parse_bucket_mb
 from .distributed.env import ddp_options, rewrap_ddp
 from .switch import FactorizationPlan, Switch, SwitchPolicy, projected_state
@@ -200,8 +201,17 @@ class Recipe:
         """
         self._check_wrapper(model)
         inner = _unwrap(model)
+        sharded = fsdp.is_sharded(inner)
+        if sharded and self.switch_momentum == "project":
+            raise ValueError("switch_momentum 'project' is invalid on a fully_shard-ed model (it "
+                             "needs each dense weight's whole momentum): allowed 'reset'")
         before = dict(inner.named_parameters(remove_duplicate=False))
+        owners = _owners(inner)
         self.switch_owner.switch(epoch, inner)
+        if sharded:  # the factors sharded again: the units that hold them are rebuilt
+            fsdp.shard(inner)
+            before = _follow_resharded(optimizer, before, owners, _owners(inner),
+                                       dict(inner.named_parameters(remove_duplicate=False)))
         if optimizer is not None:
             carried = (projected_state(optimizer.state, before, inner)
                        if self.switch_momentum == "project" else {})
@@ -302,6 +312,31 @@ def swap_parameters(optimizer: torch.optim.Optimizer, before: Mapping[str, torch
         optimizer.state.clear()
         optimizer._numel_cache = None  # type: ignore[attr-defined]
     return swap
+
+
+def _owners(model: nn.Module) -> dict[str, int]:
+    """Parameter name -> id of the module holding it."""
+    return {f"{prefix}.{n}".lstrip("."): id(m)
+            for prefix, m in model.named_modules(remove_duplicate=False)
+            for n, _ in m.named_parameters(recurse=False)}
+
+
+def _follow_resharded(optimizer: torch.optim.Optimizer | None,
+                      before: Mapping[str, torch.Tensor], owners_before: Mapping[str, int],
+                      owners_after: Mapping[str, int], after: Mapping[str, torch.Tensor]
+                      ) -> dict[str, torch.Tensor]:
+    """A parameter of a module that stayed (its FSDP2 unit rebuilt around it) is a new shard of
+    the same values: it takes its predecessor's place in the optimizer, with its state (same mesh
+    and placement, so the state's shards fit). Returns ``before`` with these new tensors, for
+    :func:`swap_parameters`, which then sees only the replaced layers."""
+    moved = {id(p): after[n] for n, p in before.items()
+             if n in after and after[n] is not p and owners_after.get(n) == owners_before[n]}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["params"][:] = [moved.get(id(p), p) for p in group["params"]]
+        for p in [p for p in optimizer.state if id(p) in moved]:
+            optimizer.state[moved[id(p)]] = optimizer.state.pop(p)
+    return {n: moved.get(id(p), p) for n, p in before.items()}
 
 
 def _group_for(name: str, param: torch.Tensor, replaced: Mapping[str, torch.Tensor],

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .auto import (
@@ -36,8 +37,10 @@ from .auto import (
     profile_keep,
     time_kernels,
 )
+from .distributed import fsdp
 from .distributed.env import broadcast_object
 from .lowrank import FactorizationReport, LowRankModule, factorize
+from .lowrank.base import low_rank_class_for_type
 from .lowrank.factorize import factorizable_modules, format_table
 from .lowrank.presets import presets_of
 
@@ -252,7 +255,21 @@ class FactorizationPlan:
               unsettled: Iterable[str] = ()) -> FactorizationReport:
         """Factorize ``model`` in place, choose the kernel of each layer that has several, record
         both."""
-        self.report = factorize(model, **self.factorize_kwargs(model, tracker, unsettled))
+        sharded = fsdp.is_sharded(model)
+        if sharded and (self.rank_ratio == "auto" or self.keep_auto):
+            raise ValueError("rank_ratio/keep 'auto' are invalid on a fully_shard-ed model (they "
+                             "read every layer's dense weights at once): allowed fixed values")
+        kwargs = self.factorize_kwargs(model, tracker, unsettled)
+        if sharded:  # dense weights gathered one layer at a time
+            kwargs["materialize"] = fsdp.gathered
+            fsdp.unwrap_layers(model, lambda kind: low_rank_class_for_type(kind) is not None)
+        with warnings.catch_warnings():
+            if sharded:  # FSDP2's own state-dict hooks stay with the module they served
+                warnings.filterwarnings("ignore", message="the state_dict hooks of")
+            self.report = factorize(model, **kwargs)
+        if sharded:  # every rank shards its own copy: they must be the same
+            fsdp.check_replicated((n, p) for n, p in model.named_parameters()
+                                  if not isinstance(p, DTensor))
         if self.example_input is not None:
             self._choose_kernels(model)
         self.ranks = self.report.ranks
@@ -345,6 +362,10 @@ class Switch:
 
     def observe(self, t: float, model: nn.Module) -> dict[str, float]:
         self.check(model)
+        if self.policy.detector is not None and fsdp.is_sharded(_unwrap(model)):
+            raise ValueError("automatic choices (warmup_epochs/rank_ratio 'auto') are invalid on "
+                             "a fully_shard-ed model (the stable ranks read every layer's dense "
+                             "weights): allowed fixed values")
         return self.policy.observe(t, model, self.plan.static_keep(model))
 
     def due(self, epoch: int, model: nn.Module) -> bool:

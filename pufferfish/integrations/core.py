@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
+from ..distributed import fsdp
 from ..distributed.env import ddp_options, rebuild_ddp_in_place
 from ..lowrank import LowRankModule, load_factorized
 from ..lowrank.factorize import factorizable_modules
@@ -113,12 +114,22 @@ class TrainerSwitch:
     def switch(self, epoch: int, step: int, module: nn.Module,
                optimizers: Sequence[torch.optim.Optimizer],
                ddp: DistributedDataParallel | None) -> None:
-        """Factorize ``module``, edit ``optimizers`` and rebuild ``ddp``, each in place."""
-        before = dict(module.named_parameters(remove_duplicate=False))
-        self.recipe.switch(epoch, module, None)
-        after = dict(module.named_parameters(remove_duplicate=False))
-        self.parameter_swaps = [swap_parameters(innermost(opt), before, after)
-                                for opt in optimizers]
+        """Factorize ``module``, edit ``optimizers`` and rebuild ``ddp``, each in place.
+
+        A ``fully_shard``-ed module (Lightning's ``ModelParallelStrategy``) is switched by the
+        recipe, which gathers one layer at a time, shards the factors and edits the optimizer."""
+        if fsdp.is_sharded(module):
+            if len(optimizers) != 1:
+                raise RuntimeError(f"a fully_shard-ed model is switched with one optimizer: "
+                                   f"found {len(optimizers)}")
+            self.recipe.switch(epoch, module, innermost(optimizers[0]))
+            self.parameter_swaps = [self.recipe.parameter_swap]
+        else:
+            before = dict(module.named_parameters(remove_duplicate=False))
+            self.recipe.switch(epoch, module, None)
+            after = dict(module.named_parameters(remove_duplicate=False))
+            self.parameter_swaps = [swap_parameters(innermost(opt), before, after)
+                                    for opt in optimizers]
         self.recipe.parameter_swap = self.parameter_swaps[0] if self.parameter_swaps else None
         if ddp is not None:
             rebuild_ddp_in_place(ddp, register_hooks=self.recipe.on_wrap is None)

@@ -41,6 +41,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
                       "accelerate, which its Trainer uses): pip install transformers "
                       "accelerate") from error
 
+from ..distributed import fsdp
 from ..lowrank import FactorizationReport
 from ..recipe import Recipe
 from . import core
@@ -145,7 +146,7 @@ def _find_wrapper(model: nn.Module) -> DistributedDataParallel | None:
     The Trainer does not hand it to callbacks; it is the one live DDP object whose ``module`` is
     the Trainer's model. A wrapper left over from an earlier ``train`` call is collected first.
     """
-    if not core.distributed():
+    if not core.distributed() or fsdp.is_sharded(model):  # FSDP2: no wrapper, switched in place
         return None
     for attempt in range(2):
         found = [o for o in gc.get_objects()
@@ -158,7 +159,7 @@ def _find_wrapper(model: nn.Module) -> DistributedDataParallel | None:
         raise RuntimeError(
             f"PufferfishCallback found no DistributedDataParallel around the "
             f"{type(model).__name__} in this {torch.distributed.get_world_size()}-process run: "
-            "allowed are one process and DDP (FSDP and DeepSpeed shard the parameters the "
-            "switch replaces)")
+            "allowed are one process, DDP and FSDP2 (fully_shard); FSDP1 and DeepSpeed flatten "
+            "the parameters the switch replaces into buffers of their own)")
     raise RuntimeError(f"PufferfishCallback found {len(found)} DistributedDataParallel wrappers "
                        f"around the {type(model).__name__}: allowed is one")

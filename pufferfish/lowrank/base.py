@@ -216,7 +216,11 @@ def register_low_rank(dense_type: type[nn.Module], low_rank_type: type[LowRankMo
 
 def low_rank_class_for(module: nn.Module) -> type[LowRankModule] | None:
     """The registered low-rank class for ``module``'s exact type (subclasses may change forward)."""
-    kind = type(module)
+    return low_rank_class_for_type(type(module))
+
+
+def low_rank_class_for_type(kind: type) -> type[LowRankModule] | None:
+    """The registered low-rank class for the module type ``kind`` exactly."""
     if kind not in _REGISTRY:
         adapter = _LAZY.get((kind.__module__, kind.__qualname__))
         if adapter is not None:

@@ -45,8 +45,8 @@ from __future__ import annotations
 import functools
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -201,6 +201,7 @@ def factorize(
     preset: str | None = None,
     extra_bn: bool = False,
     example_input: Any = None,
+    materialize: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
 ) -> FactorizationReport:
     """Replace the supported modules of ``model`` in place by low-rank ones; return the report.
 
@@ -220,6 +221,8 @@ def factorize(
         example_input: what the model is called with (see :func:`call_with_example`: a tensor, a
             tuple of positional arguments or a dict of keyword arguments); when given, the
             forward order is traced and the report carries MACs before and after.
+        materialize: gives a candidate its full weights while its replacement is built, one
+            layer at a time (sharded models: :func:`pufferfish.distributed.fsdp.gathered`).
 
     Every pattern must match at least one module name, so that a typo is an error rather than a
     silently full-rank layer.
@@ -236,7 +239,7 @@ def factorize(
     plan = _Plan(keep=keep, include=include, overrides=overrides,
                  default=rank if rank is not None else rank_ratio, keep_first=keep_first,
                  hybrid={id(m) for m in order[:keep_first]}, tied=_tied_parameters(model),
-                 options={"extra_bn": extra_bn})
+                 options={"extra_bn": extra_bn}, materialize=materialize)
     params_before = count_params(model)
     macs_before = count_macs(model, example_input) if example_input is not None else None
 
@@ -270,6 +273,7 @@ class _Plan:
     hybrid: set[int]  # ids of the first ``keep_first`` modules in forward order
     tied: dict[int, list[tuple[nn.Module, str]]]
     options: dict[str, Any]
+    materialize: Callable[[nn.Module], AbstractContextManager[Any]] | None = None
 
 
 def _validated(model: nn.Module, rank_ratio: float, rank: int | None, keep: Iterable[str],
@@ -313,8 +317,9 @@ def _decide(module: nn.Module, names: list[str], plan: _Plan
     hit = first_match(names, plan.overrides)
     chosen = plan.overrides[hit] if hit is not None else plan.default
     decision.rank = resolve_rank(chosen, decision.full_rank)
-    low, after = _build_if_smaller(cls, module, decision.rank, decision.params_before,
-                                   plan.options)
+    with plan.materialize(module) if plan.materialize else nullcontext():
+        low, after = _build_if_smaller(cls, module, decision.rank, decision.params_before,
+                                       plan.options)
     if low is None:
         decision.reason = (f"kept: no parameter saving at rank {decision.rank} "
                            f"({after:,} >= {decision.params_before:,})")

@@ -47,6 +47,7 @@ from tqdm import tqdm
 from ..config import ConfigError, TrainConfig, dump_toml
 from ..data import DataError
 from ..distributed import env as dist_env
+from ..distributed import fsdp
 from ..distributed.buckets import BucketTuner
 from ..distributed.diloco import DiLoCoState
 from ..distributed.env import DistEnv
@@ -128,6 +129,9 @@ def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]
     if not env.distributed and cfg.sync != "ddp":
         raise ConfigError(f"sync {cfg.sync!r} is invalid without a process group: allowed 'ddp', "
                           "or launch under torchrun (--nproc-per-node 1 works)")
+    if not env.distributed and cfg.parallel == "fsdp":
+        raise ConfigError("parallel 'fsdp' is invalid without a process group: allowed 'ddp', or "
+                          "launch under torchrun (--nproc-per-node 1 works)")
     finished = False  # every rank ran to the end: the group can be drained (see cleanup)
     try:
         rows = _train(cfg, env, method)
@@ -227,13 +231,17 @@ def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method,
     convolutions most (docs/benchmarks.md). Here, because this runs before every DDP wrap, so
     modules a method swapped in are converted too; the parameters stay the same objects.
     """
-    if cfg.channels_last:
+    if cfg.channels_last and cfg.parallel == "ddp":  # FSDP2 shards contiguous parameters only
         model.to(memory_format=torch.channels_last)
-    optimizer = method.build_optimizer(model, cfg)
     # DiLoCo: no DDP wrapper, each worker steps alone until the outer step (_after_step).
     sync = (DiLoCoState(cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum).bind(model)
             if cfg.sync == "diloco" else None)
-    wrapped = model if sync is not None else dist_env.wrap_ddp(model, env, buckets.cap)
+    if cfg.parallel == "fsdp":
+        wrapped = fsdp.shard(model, fsdp.mixed_precision(env.device, cfg.amp))
+    else:
+        wrapped = model if sync is not None else dist_env.wrap_ddp(model, env, buckets.cap)
+    # After wrapping: FSDP2 replaces the parameters by their shards (DTensors).
+    optimizer = method.build_optimizer(model, cfg)
     scaler = (torch.amp.GradScaler("cuda") if cfg.amp and env.device.type == "cuda" else None)
     if scaler is not None and cfg.comm == "signum":
         # GradScaler divides the reduced gradient by the loss scale; signum's +-1 votes
@@ -246,7 +254,7 @@ def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method,
 
 
 def _register_hook(cfg: TrainConfig, wrapped: nn.Module, env: DistEnv) -> Any:
-    if not env.distributed:
+    if not env.distributed or cfg.parallel == "fsdp":  # comm hooks are DDP's
         return None
 
     return register_comm_hook(wrapped, cfg.comm, **hook_options(cfg.comm, cfg))
@@ -269,12 +277,22 @@ def _resume(cfg: TrainConfig, env: DistEnv, method: Method, task: Task, model: n
     """The run as the checkpoint ``saved`` left it: the architecture, weights and bucket cap
     first (the optimizer and DDP are built on them), then every other component from its entry."""
     method.load_state_dict(saved["method"], model)  # e.g. rebuild the factorized architecture
-    startup.load_model(model, saved["model"], path)
+    written = "fsdp" if "sharded" in saved else "ddp"
+    if written != cfg.parallel:
+        raise ckpt.CheckpointError(f"checkpoint {path} was written with --parallel {written}: "
+                                   f"resume it with --parallel {written}")
+    if written == "ddp":
+        startup.load_model(model, saved["model"], path)
     buckets.load_state_dict(saved.get("buckets") or {"cap_mib": None, "decisions": []})
     run = _prepare(cfg, model, env, method, buckets)
     run.noted = len(buckets.decisions)
     shared, per_rank = _components(run, method, task)
-    del shared["method"], shared["model"], shared["buckets"]  # loaded above
+    del shared["method"], shared["model"], shared["buckets"]  # loaded above (or below, sharded)
+    if written == "fsdp":  # each rank reads its own shards, resharded by DCP if need be
+        state = fsdp.sharded_state(run.model, run.optimizer)
+        ckpt.load_sharded(path, saved["sharded"], state)
+        fsdp.load_sharded_state(run.model, run.optimizer, state)
+        del shared["optimizer"]
     ranks = saved.get("ranks") or []
     mine = ranks[env.rank] if env.rank < len(ranks) else {}
     for components, states in ((shared, saved), (per_rank, mine)):
@@ -445,8 +463,8 @@ def _step(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task, 
 
 
 def _ddp(cfg: TrainConfig, env: DistEnv) -> bool:
-    """Whether the model is wrapped in DDP (a process group, and no DiLoCo)."""
-    return env.distributed and cfg.sync == "ddp"
+    """Whether the model is wrapped in DDP (a process group, not FSDP2, no DiLoCo)."""
+    return env.distributed and cfg.parallel == "ddp" and cfg.sync == "ddp"
 
 
 def _tokens_per_example(cfg: TrainConfig) -> int:
@@ -496,6 +514,9 @@ def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
         "comm_bytes_per_sample": per_step / (cfg.batch_size * _tokens_per_example(cfg)),
         "compress_time": stats.get("compress_time", 0.0),
         "comm_time": stats.get("comm_time", 0.0),
+        # FSDP2: all-gather + reduce-scatter bytes and sharded memory (docs/benchmarks.md)
+        **(fsdp.step_figures(run.model, run.optimizer, env.world_size)
+           if cfg.parallel == "fsdp" else {}),
     }
     if run.sync is not None:
         row["outer_steps"] = run.sync.outer_steps  # of the run so far
@@ -550,11 +571,18 @@ def _checkpoint(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: 
             f"good checkpoint: {run.last_checkpoint or 'none'}; lower --lr or set --grad-clip")
     run.buckets.settle(run)  # a checkpoint holds a bucket choice, never half a trial
     shared, per_rank = _components(run, method, task)
+    sharded = {}
+    if cfg.parallel == "fsdp":  # model and optimizer: every rank writes its shards (DCP)
+        with _signals_deferred():
+            sharded = {"sharded": ckpt.save_sharded(
+                run_dir, progress.global_step, fsdp.sharded_state(run.model, run.optimizer),
+                env.is_main)}
+        del shared["model"], shared["optimizer"]
     ranks = dist_env.gather_object(_states(per_rank), env)
     written = error = None
     if env.is_main:
         payload = {"config": cfg.to_dict(), "world_size": env.world_size, **_states(shared),
-                   "ranks": ranks}
+                   "ranks": ranks, **sharded}
         try:
             with _signals_deferred():  # Ctrl-C / SIGTERM wait for the write (or its cleanup)
                 written = str(ckpt.save_checkpoint(run_dir, payload, progress.global_step,
@@ -621,7 +649,7 @@ def _snapshot(model: nn.Module, task: Task) -> Callable[[], None]:
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every element is finite; the max-abs norm is exact (a 2-norm of huge but finite
     values overflows to inf) and propagates NaN."""
-    tensors = [t for t in tensors if t.is_floating_point()]
+    tensors = [fsdp.local(t) for t in tensors if t.is_floating_point()]  # a shard: voted per rank
     return not tensors or math.isfinite(nn.utils.get_total_norm(tensors, math.inf).item())
 
 

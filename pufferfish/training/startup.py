@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -329,7 +330,10 @@ def _remove(run_dir: Path, files: list[Path]) -> None:
     for path in aside:
         ckpt.set_aside(path)
     for path in ordered:
-        path.unlink(missing_ok=True)
+        if path.is_dir():  # the sharded part of an FSDP2 checkpoint
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
     others = sorted(p for p in [*run_dir.iterdir(), *_entries(run_dir / ckpt.CHECKPOINT_SUBDIR)]
                     if p.name != ckpt.CHECKPOINT_SUBDIR or p.parent != run_dir)
     kept = f"; left alone: {_names(others, run_dir)}" if others else ""

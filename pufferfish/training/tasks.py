@@ -80,6 +80,7 @@ class ImageTask:
                                       drop_last=True, device=env.device)
         n_test = cfg.test_subset or len(ds.test_labels)
         # Every rank takes test examples rank, rank + world, ...: no example dropped or repeated.
+        self.n_test = n_test
         self.test_images = ds.test_images[:n_test][env.rank::env.world_size]
         self.test_labels = ds.test_labels[:n_test][env.rank::env.world_size]
         self.model = models.build_at_width(cfg.model, cfg.width, num_classes=ds.num_classes,
@@ -109,7 +110,9 @@ class ImageTask:
         mean = torch.tensor(self.ds.mean, device=device).view(1, -1, 1, 1)
         std = torch.tensor(self.ds.std, device=device).view(1, -1, 1, 1)
         correct = loss = 0.0
-        for i in range(0, len(self.test_labels), self.cfg.eval_batch_size):
+        # As many batches on every rank (the last possibly empty): FSDP2 gathers in each forward.
+        rows = -(-self.n_test // env.world_size)
+        for i in range(0, rows, self.cfg.eval_batch_size):
             x = self.test_images[i:i + self.cfg.eval_batch_size].to(device).float() / 255
             y = self.test_labels[i:i + self.cfg.eval_batch_size].to(device)
             logits = model((x - mean) / std)

@@ -43,7 +43,9 @@ What ``state`` may contain (everything else is refused at save time, naming the 
 
 One concern per module: ``files.py`` (layout and names), ``atomic.py`` (the one atomic write),
 ``safety.py`` (what a state may hold), ``manifest.py`` (size + SHA-256, written and verified),
-``save.py`` (check, prepare, payload, manifest, prune), ``load.py`` (verify, then load without
+``save.py`` (check, prepare, payload, manifest, prune), ``sharded.py`` (FSDP2: the model and
+optimizer as ``torch.distributed.checkpoint`` shards beside the payload, each file's SHA-256 in it),
+``load.py`` (verify, then load without
 pickles), ``resume.py`` (the newest checkpoint that loads), ``rejected.py`` (set aside, never
 deleted), ``compat.py`` (saved records against this run's), ``errors.py``.
 """
@@ -57,6 +59,7 @@ from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, rejection
 from .rejected import set_aside
 from .resume import find_latest, latest_checkpoint
 from .save import save_checkpoint
+from .sharded import load_sharded, save_sharded, verify_sharded
 
 __all__ = [
     "CHECKPOINT_SUBDIR",
@@ -73,8 +76,11 @@ __all__ = [
     "find_latest",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_sharded",
     "rejection",
     "save_checkpoint",
+    "save_sharded",
     "set_aside",
     "verify_compatible",
+    "verify_sharded",
 ]

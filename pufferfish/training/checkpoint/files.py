@@ -20,8 +20,9 @@ REJECTED_SUBDIR = "rejected"  # under CHECKPOINT_SUBDIR: checkpoints set aside, 
 
 PT_RE = re.compile(r"^ckpt-(\d{9,})\.pt$")
 JSON_RE = re.compile(r"^ckpt-(\d{9,})\.json$")
+DCP_RE = re.compile(r"^ckpt-(\d{9,})\.dcp$")
 TMP_RE = re.compile(
-    r"^\.(?P<final>ckpt-\d{9,}\.(?:pt|json))\.(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$"
+    r"^\.(?P<final>ckpt-\d{9,}\.(?:pt|json|dcp))\.(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$"
 )
 
 
@@ -35,6 +36,11 @@ def pt_name(step: int) -> str:
 
 def manifest_path(pt_path: Path) -> Path:
     return pt_path.with_suffix(".json")
+
+
+def dcp_path(pt_path: Path) -> Path:
+    """The sharded part of a checkpoint (FSDP2 runs): a directory beside its payload."""
+    return pt_path.with_suffix(".dcp")
 
 
 def checkpoint_step(path: str | os.PathLike[str]) -> int:
@@ -83,5 +89,5 @@ def checkpoint_files(run_dir: str | os.PathLike[str], *, temps: bool = False) ->
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.iterdir()
-                  if PT_RE.match(p.name) or JSON_RE.match(p.name)
+                  if PT_RE.match(p.name) or JSON_RE.match(p.name) or DCP_RE.match(p.name)
                   or (temps and TMP_RE.match(p.name)))

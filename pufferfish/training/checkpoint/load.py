@@ -16,6 +16,7 @@ import torch
 from ...formatting import one_line
 from .errors import CheckpointError, UnsafeCheckpointError, describe_failure
 from .manifest import verify_manifest
+from .sharded import verify_sharded
 
 
 def load_checkpoint(
@@ -45,6 +46,8 @@ def load_checkpoint(
         raise CheckpointError(f"{pt_path} is unreadable: {describe_failure(exc)}") from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"{pt_path} holds a {type(state).__name__}, expected a dict")
+    if "sharded" in state:  # FSDP2: the shards beside it must match what the payload recorded
+        verify_sharded(pt_path, state["sharded"])
     return state
 
 

@@ -6,11 +6,12 @@ import os
 from pathlib import Path
 
 from .atomic import fsync_dir
-from .files import REJECTED_SUBDIR, manifest_path
+from .files import REJECTED_SUBDIR, dcp_path, manifest_path
 
 
 def set_aside(pt_path: str | os.PathLike[str]) -> list[Path]:
-    """Move a rejected checkpoint (payload and manifest, those that exist) into ``rejected/``.
+    """Move a rejected checkpoint (payload, manifest, sharded part: those that exist) into
+    ``rejected/``.
 
     A run resuming from an older checkpoint will write the same step again; moving the rejected
     files first keeps them (for inspection: a bad copy, tampering, a crash) instead of replacing
@@ -20,7 +21,7 @@ def set_aside(pt_path: str | os.PathLike[str]) -> list[Path]:
     pt_path = Path(pt_path)
     rejected = pt_path.parent / REJECTED_SUBDIR
     rejected.mkdir(exist_ok=True)
-    sources = [p for p in (pt_path, manifest_path(pt_path)) if p.exists()]
+    sources = [p for p in (pt_path, manifest_path(pt_path), dcp_path(pt_path)) if p.exists()]
     n = 0
     while any((rejected / _numbered(p.name, n)).exists() for p in sources):
         n += 1

@@ -21,6 +21,7 @@ from .errors import CheckpointError, CheckpointWarning, describe_failure
 from .files import TMP_RE, ckpt_dir, host_tag, manifest_path, pt_name, scan
 from .manifest import manifest_bytes
 from .safety import check_weights_only_safe
+from .sharded import remove_sharded
 
 
 def save_checkpoint(
@@ -138,6 +139,7 @@ def _remove_partial(pt_path: Path) -> None:
     for p in (manifest_path(pt_path), pt_path):
         with contextlib.suppress(OSError):
             p.unlink()
+    remove_sharded(pt_path)
     with contextlib.suppress(OSError):
         fsync_dir(pt_path.parent)
 
@@ -177,6 +179,7 @@ def _prune(directory: Path, step: int, keep_last: int) -> None:
                 p.unlink(missing_ok=True)
             except OSError as exc:
                 failed.append(f"{p} ({describe_failure(exc)})")
+        remove_sharded(pt)
     if doomed:
         with contextlib.suppress(OSError):
             fsync_dir(directory)

@@ -1,0 +1,199 @@
+"""Sharded data parallel (FSDP2) with real 2-process gloo groups: the switch, checkpoints, resume.
+
+Pufferfish under FSDP2 follows DDP's losses through the switch (the same gradients, reduced in
+another order: float32 rounding only, tolerance 1e-5 relative); a killed worker's run resumes
+bitwise exactly from the sharded checkpoint before and after the switch; a checkpoint written by
+2 processes loads exactly on 1 and back; a corrupt shard is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_reliability import TIMES, cli
+from test_training import free_port, metrics, needs_fashion, run_cli
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from pufferfish.distributed.fsdp import fsdp_units
+from pufferfish.models import build_at_width
+from pufferfish.training import checkpoint as ck
+
+SMALL = ["--model", "resnet18", "--width", "0.125", "--test-subset", "64", "--batch-size", "32",
+         "--threads", "1", "--no-progress", "--no-channels-last"]
+# 256 examples, 32 per process and 2 processes: 4 steps per epoch; the switch is at global step 4.
+SWITCHED = [*SMALL, "--train-subset", "256", "--lr", "0.05", "--epochs", "2", "--warmup-epochs",
+            "1", "--checkpoint-every-steps", "2", "--preset", "paper"]
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+
+
+def torchrun(nproc: int, *args: str, env: dict[str, str] | None = None,
+             restarts: int = 0) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--max-restarts", str(restarts), "--master-port", str(free_port()), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def full_state(run: Path) -> tuple[dict, dict]:
+    """The newest checkpoint of ``run``: its payload and its sharded part as full tensors."""
+    found = ck.latest_checkpoint(run)
+    assert found is not None
+    payload, path = found
+    out = run / "full.pt"
+    dcp_to_torch_save(path.with_suffix(".dcp"), out)
+    return payload, torch.load(out, weights_only=True)
+
+
+def test_units_are_the_blocks_of_any_container() -> None:
+    resnet = build_at_width("resnet18", 0.125)
+    assert fsdp_units(resnet) == [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+    lm = build_at_width("transformer", 0.125, vocab_size=50)
+    assert fsdp_units(lm) == [f"encoder.layers.{i}" for i in range(4)]
+    assert fsdp_units(build_at_width("lstm", 0.01, vocab_size=50)) == []  # the root alone
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--parallel", "fsdp", "--comm", "powersgd"], "comm 'powersgd' is invalid with parallel "
+                                                   "'fsdp'"),
+    (["--parallel", "fsdp"], "parallel 'fsdp' is invalid without a process group"),
+    (["--parallel", "zero"], "parallel 'zero' is invalid: allowed ddp, fsdp"),
+    (["--parallel", "fsdp", "--rank-ratio", "auto"], "rank_ratio 'auto' is invalid with parallel"),
+])
+def test_refusals_are_one_line_and_exit_2(argv: list[str], message: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = cli(["train", *SMALL, "--epochs", "3", "--out", str(tmp_path / "r"), *argv],
+                       capsys)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same Pufferfish run under DDP and under FSDP2, 2 processes each."""
+    base = tmp_path_factory.mktemp("fsdp")
+    out = {}
+    for parallel in ("ddp", "fsdp"):
+        out[parallel] = base / parallel
+        result = run_cli("train", *SWITCHED, "--parallel", parallel, "--out", str(out[parallel]),
+                         torchrun=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@needs_fashion
+def test_fsdp_follows_ddp_through_the_switch(runs: dict[str, Path]) -> None:
+    ddp, sharded = metrics(runs["ddp"]), metrics(runs["fsdp"])
+    assert [r["lowrank"] for r in sharded] == [False, True]
+    for a, b in zip(ddp, sharded, strict=True):
+        for key in ("train_loss", "test_loss", "test_acc"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key
+        assert a["params"] == b["params"] and a["macs"] == b["macs"]
+    # Pufferfish shrinks what FSDP2 moves and keeps: bytes per step and the shards, ~3.3x
+    before, after = sharded
+    assert after["comm_bytes_per_step"] < before["comm_bytes_per_step"] / 3
+    assert after["shard_param_bytes"] < before["shard_param_bytes"] / 3
+    assert before["shard_param_bytes"] == pytest.approx(4 * before["params"] / 2, rel=0.01)
+    assert (runs["fsdp"] / "checkpoints" / "ckpt-000000008.dcp").is_dir()
+
+
+@needs_fashion
+@pytest.mark.parametrize("kill_step,resume_from", [
+    (3, "ckpt-000000002.pt"),  # before the switch: resumes the full-rank sharded model
+    (7, "ckpt-000000006.pt"),  # after the switch: resumes the factorized sharded model
+])
+def test_a_killed_worker_resumes_exactly(runs: dict[str, Path], tmp_path: Path, kill_step: int,
+                                         resume_from: str) -> None:
+    run, marker = tmp_path / "run", tmp_path / "killed"
+    result = torchrun(2, "-m", "pufferfish", "train", *SWITCHED, "--parallel", "fsdp", "--out",
+                      str(run), restarts=1, env={
+                          "PUFFERFISH_KILL_AT_STEP": str(kill_step), "PUFFERFISH_KILL_RANK": "1",
+                          "PUFFERFISH_KILL_MARKER": str(marker)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert marker.exists() and f"resumed from {run / 'checkpoints' / resume_from}" in result.stdout
+    (pa, a), (pb, b) = full_state(runs["fsdp"]), full_state(run)
+    assert a["model"].keys() == b["model"].keys()
+    for key, t in a["model"].items():  # parameters and buffers (BatchNorm statistics)
+        assert torch.equal(t, b["model"][key]), key
+    for key, s in a["optimizer"]["state"].items():
+        assert torch.equal(s["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"])
+    assert pa["method"] == pb["method"] and pa["progress"] == pb["progress"]
+    for x, y in zip(metrics(runs["fsdp"]), metrics(run), strict=True):
+        assert {k: v for k, v in x.items() if k not in TIMES | {"peak_rss_bytes"}} == \
+            {k: v for k, v in y.items() if k not in TIMES | {"peak_rss_bytes"}}
+
+
+@needs_fashion
+def test_a_corrupt_shard_is_refused_and_set_aside(runs: dict[str, Path], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(runs["fsdp"], run)  # then a flipped byte in a shard of the newest checkpoint
+    shard = run / "checkpoints" / "ckpt-000000008.dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ck.CheckpointError, match=r"__1_0.distcp fails its SHA-256 check"):
+        ck.load_checkpoint(run / "checkpoints" / "ckpt-000000008.pt")
+    result = run_cli("train", *SWITCHED, "--parallel", "fsdp", "--epochs", "2", "--out",
+                     str(run), "--resume", str(run), torchrun=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {run / 'checkpoints' / 'ckpt-000000006.pt'}" in result.stdout
+    assert (run / "checkpoints" / "rejected" / "ckpt-000000008.dcp" / "__1_0.distcp").exists()
+    (_, a), (_, b) = full_state(runs["fsdp"]), full_state(run)
+    for key, t in a["model"].items():
+        assert torch.equal(t, b["model"][key]), key
+
+
+def test_a_checkpoint_of_2_processes_loads_on_1_and_back(tmp_path: Path) -> None:
+    two, one = tmp_path / "two", tmp_path / "one"
+    two.mkdir(), one.mkdir()
+    for nproc, args in ((2, ["save", str(two)]), (1, ["load", str(two), str(one)]),
+                        (2, ["load", str(one)])):
+        result = torchrun(nproc, str(WORKER), *args)
+        assert result.returncode == 0, result.stderr[-3000:]
+    for path in (two / "load-1.json", one / "load-2.json"):
+        loaded = json.loads(path.read_text())
+        assert loaded["diffs"] == [] and loaded["n"] > 100 and loaded["momenta"] > 50, loaded
+
+
+def test_recipe_switches_a_users_fully_shard_model_like_data_parallel(tmp_path: Path) -> None:
+    out = tmp_path / "recipe.json"
+    result = torchrun(2, str(WORKER), "recipe", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads(out.read_text())
+    sharded, reference = runs["fsdp"], runs["reference"]
+    assert sharded["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert sharded["same_params"] and sharded["all_sharded"]
+    # the optimizer edited in place as without sharding: the same removals, additions, states
+    for key in ("kept_with_state", "removed", "added", "lr"):
+        assert sharded[key] == reference[key], key
+
+
+def test_lightning_callback_switches_a_fully_shard_model_like_ddp(tmp_path: Path) -> None:
+    """Lightning's ModelParallelStrategy (gloo on CPU): each layer a unit of its own."""
+    got = {}
+    for strategy in ("ddp", "fsdp"):
+        result = torchrun(2, str(WORKER), "lightning", str(tmp_path / strategy), strategy)
+        assert result.returncode == 0, result.stderr[-3000:]
+        got[strategy] = json.loads((tmp_path / strategy).read_text())
+    assert got["fsdp"]["sharded"] and not got["ddp"]["sharded"]
+    assert got["fsdp"]["switched_at"] == got["ddp"]["switched_at"] == 1
+    assert got["fsdp"]["params_after"] == got["ddp"]["params_after"] == 5_384
+    assert got["fsdp"]["losses"] == pytest.approx(got["ddp"]["losses"], rel=1e-5)
+
+
+def test_bytes_per_step_are_what_fsdp_hands_to_its_collectives(tmp_path: Path) -> None:
+    """comm_bytes' formula against the bytes counted at torch.distributed, before and after the
+    switch: all-gathers (forward, and backward for every unit but the root) and reduce-scatters."""
+    out = tmp_path / "count.json"
+    result = torchrun(2, str(WORKER), "count", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    before, after = json.loads(out.read_text())
+    for row in (before, after):
+        assert row["counted"]["all_gather"] == row["all_gather"]
+        assert row["counted"]["reduce_scatter"] == row["reduce_scatter"]
+    assert after["all_gather"] < before["all_gather"] / 3
