@@ -281,6 +281,8 @@ def _rebuild(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, change: C
     """After the method changed the model (``before``: its parameters until then): a fresh
     optimizer, DDP wrapper and comm hook, with what state the method carries over."""
     fresh = _prepare(cfg, run.model, env, method)
+    if run.hook_state is not None and fresh.hook_state is not None:
+        fresh.hook_state.stats = run.hook_state.stats  # the epoch's byte counts go on (mid-epoch)
     method.carry_state(run.optimizer, fresh.optimizer, before, run.model)
     run.optimizer, run.wrapped, run.hook_state = fresh.optimizer, fresh.wrapped, fresh.hook_state
     run.figures = None
