@@ -60,7 +60,7 @@ def test_recipe_is_a_facade_over_the_same_switch() -> None:
 
 
 def test_registry_builds_every_mode_and_names_them_on_bad_input() -> None:
-    assert method_names() == ["full", "pufferfish", "lowrank", "lth", "prune"]
+    assert method_names() == ["full", "pufferfish", "lowrank", "lth", "prune", "galore"]
     for mode in method_names():
         assert build_method(TrainConfig(mode=mode)).name in (mode, "pufferfish")
     cfg = TrainConfig(mode="full")
@@ -69,13 +69,13 @@ def test_registry_builds_every_mode_and_names_them_on_bad_input() -> None:
         build_method(cfg)
     except ValueError as e:
         assert str(e) == ("mode 'nope' is invalid: allowed full, pufferfish, lowrank, lth, "
-                          "prune")
+                          "prune, galore")
     else:
         raise AssertionError("no error for an unknown mode")
 
 
 def test_a_registered_method_is_a_valid_mode_of_the_configuration() -> None:
-    with pytest.raises(ConfigError, match=r"mode 'mine' is invalid: allowed full, .*prune$"):
+    with pytest.raises(ConfigError, match=r"mode 'mine' is invalid: allowed full, .*galore$"):
         TrainConfig(mode="mine")
 
     class Mine(Method):

@@ -145,6 +145,8 @@ def test_two_process_mid_epoch_switch_with_adamw(tmp_path: Path, momentum: str) 
     assert "switching to the low-rank model at step 15 (epoch 0, step 15)" in result.stdout
     (row,) = metrics(out)
     assert row["lowrank"] and row["switch_epoch"] == 0
+    # bytes per step over the whole epoch: half full-rank steps, half low-rank ones
+    assert row["comm_bytes_per_step"] > 1.1 * 4 * row["params"]
     steps = _factor_steps(out)
     # reset: the new parameters and the survivors counted from the switch (30 - 15 steps);
     # project: every parameter keeps counting from the run's start (30 steps)

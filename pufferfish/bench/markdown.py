@@ -16,6 +16,7 @@ from . import accuracy as acc
 from . import projection as proj
 from .config import BenchConfig, results_path
 from .netns import format_bps
+from .step import LM_MODELS
 
 __all__ = ["results_markdown", "train_markdown"]
 
@@ -30,6 +31,10 @@ def _ms_spread(row: dict[str, Any], key: str) -> str:
     return f"{_ms(row[key])} [{_ms(low)}–{_ms(high)}]"
 
 
+def _data(cfg: BenchConfig) -> str:
+    return "KJV sequences of 64 words" if cfg.model in LM_MODELS else "Fashion-MNIST"
+
+
 def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]) -> str:
     """``results.md``: how it was measured, then every section ``result`` has."""
     rows = result["rows"]
@@ -38,7 +43,8 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
     lines = [
         f"# pufferfish bench: {cfg.model} x{cfg.width}, {cfg.workers} workers",
         "",
-        f"{source}Per worker: batch {cfg.batch_size} of Fashion-MNIST, "
+        f"{source}Per worker: batch {cfg.batch_size} of {_data(cfg)}"
+        f"{', compiled (torch.compile)' if cfg.compile else ''}, "
         f"{cfg.worker_threads()} torch thread(s); per method and round {cfg.warmup} warm-up "
         f"steps, {cfg.compute_steps} compute-only steps, {cfg.steps} timed steps; {cfg.rounds} "
         f"interleaved round(s). torch {torch.__version__}, {os.cpu_count()} CPUs, "

@@ -339,6 +339,8 @@ def _rebuild(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Tas
     run.buckets.start(run.model, f"after the {change.name} at epoch {run.progress.epoch}",
                       len(task.train_loader), _ddp(cfg, env))  # a new model: new buckets
     fresh = _prepare(cfg, run.model, env, method, run.buckets)
+    if run.hook_state is not None and fresh.hook_state is not None:
+        fresh.hook_state.stats = run.hook_state.stats  # the epoch's byte counts go on (mid-epoch)
     method.carry_state(run.optimizer, fresh.optimizer, before, run.model)
     if run.sync is not None and fresh.sync is not None:  # changed at an outer-step boundary
         method.carry_outer_state(run.sync.optimizer, fresh.sync.optimizer, before, run.model)
