@@ -546,7 +546,8 @@ def test_a_new_run_into_an_earlier_run_refuses_unless_overwrite(
     (run / "checkpoints" / "rejected").mkdir()
     (run / "checkpoints" / "rejected" / "ckpt-000000009.pt").write_text("evidence")
     before = files_with_digests(run)
-    program = ("config.toml, factorization.json, factorization.txt, metrics.csv, metrics.jsonl, "
+    program = ("buckets.json, config.toml, factorization.json, factorization.txt, metrics.csv, "
+               "metrics.jsonl, "
                "checkpoints/ckpt-000000002.json, checkpoints/ckpt-000000002.pt, "
                "checkpoints/ckpt-000000003.json, checkpoints/ckpt-000000003.pt, "
                "checkpoints/ckpt-000000004.json, checkpoints/ckpt-000000004.pt")

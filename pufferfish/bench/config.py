@@ -49,6 +49,8 @@ class BenchConfig:
     warmup: int = 3
     compute_steps: int = 5
     batch_size: int = 128
+    seq_len: int = 64  # language models: tokens per sequence of a batch
+    vocab_size: int = 2000  # language models: vocabulary (KJV words, the rarest clamped)
     # ... then one field per comm-hook option: powersgd_rank, powersgd_start_iter, ...
     threads: int = 0  # 0: cores // workers
     data_dir: str = ""
@@ -108,7 +110,8 @@ class BenchConfig:
             )
         for option in HOOK_OPTIONS:
             option.check(getattr(self, option.key))
-        for name in ("steps", "compute_steps", "batch_size", "epochs", "rounds", "inner_steps"):
+        for name in ("steps", "compute_steps", "batch_size", "epochs", "rounds", "inner_steps",
+                     "seq_len", "vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 1")
         if self.width <= 0:
@@ -226,7 +229,11 @@ def _default_data_dir() -> Path:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The ``pufferfish bench`` options (kept here so that ``cli.py`` stays parsing-only)."""
     d = BenchConfig()
-    ap.add_argument("--model", default=d.model, help=f"{', '.join(IMAGE_MODELS)}")
+    ap.add_argument("--model", default=d.model, help=f"{', '.join((*IMAGE_MODELS, *LM_MODELS))}")
+    ap.add_argument("--seq-len", type=int, default=d.seq_len,
+                    help="language models: tokens per sequence of a batch")
+    ap.add_argument("--vocab-size", type=int, default=d.vocab_size,
+                    help="language models: vocabulary size of the model and its batches")
     ap.add_argument("--width", type=float, default=d.width, help="channel multiplier")
     ap.add_argument("--methods", default=",".join(d.methods),
                     help=f"comma-separated, from: {', '.join(BENCH_METHODS)}")
@@ -313,6 +320,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         bandwidths=[b.strip() for b in args.bandwidth.split(",") if b.strip()],
         workers=args.workers, steps=args.steps, warmup=args.warmup,
         compute_steps=args.compute_steps, batch_size=args.batch_size,
+        seq_len=args.seq_len, vocab_size=args.vocab_size,
         **{option.key: getattr(args, option.key) for option in HOOK_OPTIONS},
         threads=args.threads,
         data_dir=args.data_dir, alpha=args.alpha_us * 1e-6, probe=args.probe,
@@ -337,7 +345,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 # Settings that describe a measurement, taken from the results when reused.
 _MEASURED = ("model", "width", "methods", "bandwidths", "workers", "steps", "warmup",
              "compute_steps", "batch_size", *(option.key for option in HOOK_OPTIONS), "threads",
-             "rounds", "channels_last", "compile", "bucket_mb", "inner_steps")
+             "rounds", "channels_last", "compile", "bucket_mb", "inner_steps", "seq_len",
+             "vocab_size")
 
 
 def results_path(path: str) -> Path:

@@ -177,6 +177,7 @@ def _step_argv(cfg: BenchConfig, methods: list[str], out: Path, cache: Path) -> 
         "--steps", str(cfg.steps), "--warmup", str(cfg.warmup),
         "--compute-steps", str(cfg.compute_steps), *_hook_flags(cfg), _channels_flag(cfg),
         "--bucket-mb", str(cfg.bucket_mb), "--inner-steps", str(cfg.inner_steps),
+        "--seq-len", str(cfg.seq_len), "--vocab", str(cfg.vocab_size),
         "--threads", str(cfg.worker_threads()), "--cache-dir", str(cache), "--out", str(out),
     ]  # fmt: skip
     if cfg.data_dir:
