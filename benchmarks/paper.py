@@ -29,11 +29,12 @@ from pufferfish import count_macs, factorize
 from pufferfish.formatting import markdown_table
 from pufferfish.lowrank.factorize import count_params
 from pufferfish.models import build_at_width
-from pufferfish.training.metrics import read_metrics
+from pufferfish.training.metrics import quality_key, read_metrics
 from pufferfish.training.report import compare_runs
 
 RUN_NAME = re.compile(
-    r"^(?P<method>full|puffproj|puffkeep1|pufflate|puffpsgd|puffw2|puff|lowrank|auto|psgd)-s(?P<seed>\d+)$")
+    r"^(?P<method>full|puffproj|puffkeep1|pufflate|puffpsgd|puffw2|puffw50|puff|lowrank|auto|psgd"
+    r"|galore)-s(?P<seed>\d+)$")
 # An equal wall-clock budget (`make demo`'s comparison): DDP for E epochs against Pufferfish for
 # the N that fit in the same time over 100 Mbit/s, runs named full{E}-s{seed} and puff{N}-s{seed}.
 EQUAL_BUDGET = ((3, 4), (4, 6), (5, 7))
@@ -41,7 +42,8 @@ BUDGET_RUN = re.compile(r"^(?P<method>full|puff)(?P<epochs>\d+)-s(?P<seed>\d+)$"
 # Pufferfish variants shown beside the paper's recipe in the accuracy claim: run name -> column.
 VARIANTS = {"puffproj": "momentum projected", "puffkeep1": "`layer1` kept",
             "pufflate": "switch at the first LR drop", "auto": "auto",
-            "puffpsgd": "with PowerSGD", "puffw2": "warm-up 2"}
+            "puffpsgd": "with PowerSGD", "puffw2": "warm-up 2", "puffw50": "switch at half the run",
+            "galore": "GaLore (full rank, projected optimizer)"}
 WHAT_DIFFERS = (
     "The paper trains ResNet-18 and VGG-19-BN at full width on CIFAR-10 (300 epochs), ResNet-50 on "
     "ImageNet and an LSTM on WikiText-2, on clusters of GPU machines. Here: Fashion-MNIST (the "
@@ -124,7 +126,8 @@ def planned_epochs(run: Path) -> int:
 
 def metric(row: dict) -> float:
     """A row's test accuracy in %, or its test perplexity (language models)."""
-    return row["test_ppl"] if "test_ppl" in row else 100 * row["test_acc"]
+    key = quality_key(row)  # test_acc, test_ppl, or llama's val_ppl
+    return 100 * row[key] if key == "test_acc" else row[key]
 
 
 def final(run: Path) -> float:
@@ -138,7 +141,7 @@ def partial_note(run: Path) -> str:
 
 
 def is_lm(run: Path) -> bool:
-    return "test_ppl" in last_row(run)
+    return quality_key(last_row(run)) != "test_acc"
 
 
 def gap(run: Path, ref: Path) -> float:
@@ -249,6 +252,8 @@ def speed(found: dict[str, dict[str, dict[int, Path]]], cache: Path, out: Path) 
                  ("pufferfish+powersgd", "puffpsgd"))}
         timed = {row["method"] for row in saved["rows"]}  # a run needs its method's step times
         runs = {m: r for m, r in runs.items() if r is not None and m in timed}
+        if "ddp" not in runs:  # a bench of other experiments (e.g. DiLoCo's): no paper claim
+            continue
         tta = out / f"{exp}-time"
         subprocess.run([sys.executable, "-m", "pufferfish", "bench", "--from-results", str(results),
                         "--accuracy-runs", ",".join(f"{m}={r}" for m, r in runs.items()),
