@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from test_reliability import SMALL
-from test_training import free_port, needs_fashion, run_cli
+from test_training import needs_fashion, run_cli, run_worker_pair
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -117,18 +116,7 @@ def _worker(rank: int, port: int, queue: Any) -> None:
 
 @pytest.fixture(scope="module")
 def results() -> dict[int, Any]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(queue.get(timeout=180) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for rank, result in got.items():
-        assert isinstance(result, dict), f"rank {rank}: {result}"
-    return got
+    return run_worker_pair(_worker)
 
 
 def test_a_fixed_cap_is_applied(results: dict[int, Any]) -> None:

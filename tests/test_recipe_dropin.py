@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_training import free_port
+from test_training import run_worker_pair
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import lr_scheduler
@@ -408,18 +407,7 @@ def _ddp_worker(rank: int, port: int, queue: Any) -> None:
 
 @pytest.fixture(scope="module")
 def ddp_results() -> dict[int, Any]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_ddp_worker, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=180) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for rank, result in results.items():
-        assert isinstance(result, dict), f"rank {rank}: {result}"
-    return results
+    return run_worker_pair(_ddp_worker)
 
 
 def test_ddp_rewrap_keeps_every_option_and_the_comm_hook(ddp_results: dict[int, Any]) -> None:

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,6 +45,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_worker_pair(target: Any, timeout: float = 180) -> dict[int, Any]:
+    """``target(rank, port, queue)`` in two spawned processes; rank -> the dict it put on the
+    queue (a worker that failed puts its error's repr instead, which fails here)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=timeout) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for rank, result in results.items():
+        assert isinstance(result, dict), f"rank {rank}: {result}"
+    return results
 
 
 def tiny_corpus(tmp_path: Path) -> Path:

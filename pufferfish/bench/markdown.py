@@ -32,7 +32,9 @@ def _ms_spread(row: dict[str, Any], key: str) -> str:
 
 
 def _data(cfg: BenchConfig) -> str:
-    return "KJV sequences of 64 words" if cfg.model in LM_MODELS else "Fashion-MNIST"
+    if cfg.model not in LM_MODELS:
+        return "Fashion-MNIST"
+    return f"KJV sequences of {cfg.seq_len} words (vocabulary {cfg.vocab_size})"
 
 
 def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]) -> str:
