@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training import metrics, run_cli, tiny_corpus
+from test_training import killed_and_resumed, metrics, run_cli, tiny_corpus
 from torch import nn
 
 import pufferfish as pf
@@ -158,15 +158,7 @@ def test_adamw_resume_around_a_mid_epoch_switch_is_exact(tmp_path: Path, kill_st
     args = tiny_transformer_args(tmp_path, "--epochs", "1", "--train-subset", "1200",
                                  "--warmup-steps", "15",
                                  "--switch-momentum", "project", "--checkpoint-every-steps", "6")
-    ref = tmp_path / "ref"
-    assert run_cli("train", *args, "--out", str(ref)).returncode == 0
-    run, marker = tmp_path / "run", tmp_path / "killed"
-    killed = run_cli("train", *args, "--out", str(run), env={
-        "PUFFERFISH_KILL_AT_STEP": str(kill_step), "PUFFERFISH_KILL_MARKER": str(marker)})
-    assert killed.returncode == -9 and marker.exists()
-    resumed = run_cli("train", "--resume", str(run), "--no-progress")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
+    ref, run = killed_and_resumed(list(args), tmp_path, kill_step)
     a, b = latest_checkpoint(ref)[0], latest_checkpoint(run)[0]
     assert a["model"].keys() == b["model"].keys()
     for key in a["model"]:

@@ -47,6 +47,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def killed_and_resumed(args: list[str], tmp_path: Path, kill_step: int) -> tuple[Path, Path]:
+    """``train args`` uninterrupted (``ref``) and SIGKILLed at ``kill_step`` then resumed
+    (``run``): the two run directories, for a test to compare."""
+    ref = tmp_path / "ref"
+    assert run_cli("train", *args, "--out", str(ref)).returncode == 0
+    run, marker = tmp_path / "run", tmp_path / "killed"
+    killed = run_cli("train", *args, "--out", str(run), env={
+        "PUFFERFISH_KILL_AT_STEP": str(kill_step), "PUFFERFISH_KILL_MARKER": str(marker)})
+    assert killed.returncode == -9 and marker.exists()
+    resumed = run_cli("train", "--resume", str(run), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    return ref, run
+
+
 def run_worker_pair(target: Any, timeout: float = 180) -> dict[int, Any]:
     """``target(rank, port, queue)`` in two spawned processes; rank -> the dict it put on the
     queue (a worker that failed puts its error's repr instead, which fails here)."""
@@ -206,16 +221,7 @@ def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("kill_step", [5, 13])  # before the switch (epoch 0), after it (epoch 1)
 def test_resume_gives_the_same_final_parameters(tmp_path: Path, kill_step: int) -> None:
     args = [*TINY, "--epochs", "3", "--warmup-epochs", "1", "--checkpoint-every-steps", "3"]
-    ref = tmp_path / "ref"
-    assert run_cli("train", *args, "--out", str(ref)).returncode == 0
-    run = tmp_path / "run"
-    marker = tmp_path / "killed"
-    killed = run_cli("train", *args, "--out", str(run), env={
-        "PUFFERFISH_KILL_AT_STEP": str(kill_step), "PUFFERFISH_KILL_MARKER": str(marker)})
-    assert killed.returncode == -9 and marker.exists()
-    resumed = run_cli("train", "--resume", str(run), "--no-progress")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
+    ref, run = killed_and_resumed(args, tmp_path, kill_step)
     a, b = _final_params(ref), _final_params(run)
     assert a.keys() == b.keys()
     for key in a:
