@@ -151,15 +151,25 @@ def exit_process(status: int) -> NoReturn:
     barrier alone). No wait from Python can close that window, so a process that used a group
     does not shut its interpreter down: it flushes ``logging`` and its standard streams and leaves
     with ``os._exit`` (``atexit`` handlers do not run). A process that never had a group gets
-    ``sys.exit(status)``. Call it only at a process's entry point, never from a library.
+    ``sys.exit(status)``. A process started by a launcher for more than one process
+    (``WORLD_SIZE`` > 1) counts as one that had a group, even when someone else destroyed it
+    (``accelerator.end_training()``), since that leaves gloo's threads as they were. Call it
+    only at a process's entry point (a script's last line), never from a library.
     """
-    if _torn_down or dist.is_initialized():
+    if _torn_down or dist.is_initialized() or _launched_with_peers():
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(AttributeError, OSError, ValueError):  # gone, closed, broken
                 stream.flush()
         os._exit(status)
     sys.exit(status)
+
+
+def _launched_with_peers() -> bool:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
 
 
 def wrap_ddp(model: nn.Module, env: DistEnv, bucket_cap_mb: float | None = None) -> nn.Module:
