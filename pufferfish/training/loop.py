@@ -164,7 +164,7 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     # Before anything is written or loaded: rank 0 decides what happens to the run directory
     # (resume, start, or refuse) and every rank learns it.
     resumed = startup.find_resume_point(cfg, env, run_dir,
-                                        (*tasks.RUN_FIELDS, *optim.RUN_FIELDS, *method.run_fields,
+                                        (*tasks.run_fields(cfg), *optim.RUN_FIELDS, *method.run_fields,
                                          *SYNC_FIELDS))
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     task = build_task(cfg, env)

@@ -22,11 +22,20 @@ from ..config import TrainConfig
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 
-__all__ = ["RUN_FIELDS", "ImageTask", "LanguageTask", "Task", "build_task"]
+__all__ = ["RUN_FIELDS", "ImageTask", "LanguageTask", "Task", "build_task", "run_fields"]
 
 # Configuration fields that define what a task computes (its data, model and batches): a resume
 # with any of them changed is refused (with the method's own, see Method.run_fields).
 RUN_FIELDS = ("model", "width", "data", "seed", "train_subset", "batch_size")
+# llama's packed sequences and its BPE vocabulary: a resume with another would feed the saved
+# model other tokens (or fail on the embedding's shape deep in load_state_dict).
+PACKED_LM_FIELDS = ("seq_len", "vocab_size")
+
+
+def run_fields(cfg: TrainConfig) -> tuple[str, ...]:
+    """The fields a resume of ``cfg``'s task may not change: :data:`RUN_FIELDS`, and for llama
+    :data:`PACKED_LM_FIELDS` (other models ignore them, so older runs' configs need not have them)."""
+    return RUN_FIELDS + (PACKED_LM_FIELDS if cfg.model == "llama" else ())
 
 
 class Task(Protocol):
