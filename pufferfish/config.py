@@ -290,10 +290,6 @@ class TrainConfig:
             raise ConfigError(f"checkpoint_every_steps {self.checkpoint_every_steps} is invalid "
                               f"with sync 'diloco' and inner_steps {self.inner_steps} (checkpoints "
                               "fall on outer steps): allowed a multiple of inner_steps, or 0")
-        if self.warmup_steps and self.mode == "pufferfish":
-            raise ConfigError(f"warmup_steps {self.warmup_steps:g} is invalid with sync 'diloco' "
-                              "(the switch falls on an outer step, at an epoch start): allowed "
-                              "warmup_epochs, or sync ddp")
     def _check_fsdp(self) -> None:
         """What FSDP2 runs here: comm hooks are DDP's; automatic choices and projected momentum
         read dense weights of every layer at once, which a sharded model does not hold."""

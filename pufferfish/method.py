@@ -72,15 +72,21 @@ class PufferfishMethod(FullRankMethod):
         return self._switch(epoch, model, f"epoch {epoch}", {})
 
     def on_step_start(self, epoch: int, step: int, steps: int, model: nn.Module) -> Change | None:
-        """``warmup_steps``: the switch before global step ``cfg.switch_step`` (mid-epoch)."""
+        """``warmup_steps``: the switch before global step ``cfg.switch_step`` (mid-epoch); under
+        DiLoCo before the first step from there that follows an outer step (synchronized weights:
+        every ``inner_steps`` steps and at each epoch's start)."""
         if not self.in_steps or self.switch.switched:
             return None
         total = self.cfg.epochs * steps
         at = self.cfg.switch_step(total)
+        if at is not None and self.cfg.sync == "diloco":
+            h = self.cfg.inner_steps
+            at = min(-(-at // h) * h, -(-at // steps) * steps)
         if at is None or at >= total:
             raise ConfigError(f"warmup_steps {self.cfg.warmup_steps:g} is invalid with "
                               f"{total} optimizer steps in the run: allowed a switch before the "
-                              "last step")
+                              "last step" + (" (under DiLoCo, on an outer step)"
+                                             if self.cfg.sync == "diloco" else ""))
         global_step = epoch * steps + step
         if global_step < at:
             return None

@@ -265,6 +265,26 @@ def test_killed_worker_costs_at_most_the_inner_steps_since_the_last_sync(tmp_pat
             {k: v for k, v in y.items() if k not in drop}
 
 
+@pytest.mark.parametrize(("warmup", "switch"), [("2", "step 4 (epoch 0, step 4)"),
+                                                ("5", "step 6 (epoch 1, step 0)")])
+def test_a_switch_in_steps_waits_for_the_next_outer_step(tmp_path: Path, warmup: str,
+                                                          switch: str) -> None:
+    """6 steps an epoch, outer steps every 4 and at each epoch's end: ``--warmup-steps 2``
+    switches before step 4, ``5`` before step 6 (the next epoch), each on the weights the outer
+    step just synchronized (the factors are checked equal on both ranks)."""
+    from test_llama import llama_args
+
+    out = tmp_path / "run"
+    result = run_cli("train", *llama_args(tmp_path, "--train-subset", "800", "--epochs", "2",
+                                          "--sync", "diloco", "--inner-steps", "4",
+                                          "--warmup-steps", warmup, "--out", str(out)),
+                     torchrun=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"switching to the low-rank model at {switch}" in result.stdout
+    assert [r["steps"] for r in metrics(out)] == [6, 6]
+    assert metrics(out)[-1]["lowrank"]
+
+
 def test_bench_knows_the_diloco_methods(tmp_path: Path) -> None:
     """``pufferfish bench``: DiLoCo methods warm up as DiLoCo and train with ``--sync diloco``."""
     from pufferfish.bench.accuracy import phase_methods
