@@ -33,7 +33,14 @@ from ..formatting import markdown_table
 from ..training.metrics import read_metrics
 from . import projection as proj
 from .netns import format_bps
-from .step import BENCH_METHODS, PUFFERFISH_RANK_RATIO, hook_for, parse_method_map, sync_for
+from .step import (
+    BENCH_METHODS,
+    PUFFERFISH_RANK_RATIO,
+    hook_for,
+    parallel_for,
+    parse_method_map,
+    sync_for,
+)
 
 __all__ = [
     "FASHION_MNIST_TEST",
@@ -126,7 +133,7 @@ def load_accuracy_runs(
         factorized, hook = hook_for(method)
         expect = {"data": "fashion-mnist", "model": model, "width": width,
                   "batch_size": batch_size, "mode": "pufferfish" if factorized else "full",
-                  "comm": hook, "sync": sync_for(method)}
+                  "comm": hook, "sync": sync_for(method), "parallel": parallel_for(method)}
         if sync_for(method) == "diloco" and inner_steps:
             expect["inner_steps"] = inner_steps
         if processes and processes != workers:
@@ -161,12 +168,14 @@ def steps_per_epoch(train_examples: int, batch_size: int, workers: int) -> int:
 
 def phase_methods(method: str) -> tuple[str, str]:
     """``(full-rank phase, low-rank phase)`` bench methods whose step times a run's epochs take:
-    a factorized method warms up as the full-rank method with the same hook."""
+    a factorized method warms up as the full-rank method with the same hook, synchronization and
+    parallelism (pufferfish+fsdp as fsdp)."""
     factorized, hook = hook_for(method)
     if not factorized:
         return method, method
     full = next(m for m, (f, h) in BENCH_METHODS.items()
-                if not f and h == hook and sync_for(m) == sync_for(method))
+                if not f and h == hook and sync_for(m) == sync_for(method)
+                and parallel_for(m) == parallel_for(method))
     return full, method
 
 

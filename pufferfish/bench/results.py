@@ -22,16 +22,19 @@ def _profile(method: str, recs: list[dict[str, Any]],
     """A method's profile for the projection.
 
     ``compute_time`` is the median over every record of the same model (full-rank or
-    factorized), at every bandwidth: compute-only steps run no hook, so ddp, fp16,
+    factorized; DDP's or FSDP2's), at every bandwidth: compute-only steps run no hook, so ddp, fp16,
     powersgd, signum and topk do identical work there, and pooling them damps the noise of
     a shared machine. ``compress_time`` is the median of the method's own records.
     """
-    same_model = [r["compute_time"] for r in all_recs if r["factorized"] == recs[0]["factorized"]]
+    def layout(r: dict[str, Any]) -> tuple[bool, str]:  # FSDP2's model is not channels_last
+        return r["factorized"], r.get("parallel", "ddp")
+
+    same_model = [r["compute_time"] for r in all_recs if layout(r) == layout(recs[0])]
     return proj.CommProfile.for_method(
         method,
         compute_time=statistics.median(same_model),
         compress_time=statistics.median(r["compress_time"] for r in recs),
-        payload_bytes=recs[0]["bytes_per_step"],
+        payload_bytes=proj.projected_payload(recs[0]),
         collectives=recs[0]["collectives_per_step"],
     )
 
@@ -50,7 +53,7 @@ def project(records: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
             r["wire_time"] = r["overlap_bound"] = r["overlap_efficiency"] = None
             continue
         own = proj.CommProfile.for_method(r["method"], r["compute_time"], r["compress_time"],
-                                          r["bytes_per_step"], r["collectives_per_step"])
+                                          proj.projected_payload(r), r["collectives_per_step"])
         # Overlap efficiency: the best a step can do if communication hid entirely behind
         # compute (or compute behind the wire), max(compute, wire time), over the measured step.
         r["wire_time"] = own.bits_on_wire(r["workers"]) / bps
