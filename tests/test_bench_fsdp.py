@@ -147,3 +147,53 @@ def test_train_refusals_of_fsdp_come_before_any_run(tmp_path: Path,
     assert len(err.splitlines()) == 1, err
     assert "--train fsdp: switch_momentum 'project' is invalid with parallel" in err
     assert not out.exists()
+
+
+def _fsdp_results(path: Path) -> Path:
+    """A results.json of `pufferfish bench --parallel fsdp --rounds 2`, with chosen step times."""
+    steps = {"fsdp": (1.0, 1.2), "pufferfish+fsdp": (0.5, 0.6)}
+    recs = [{"round": rnd, "bandwidth": "100mbit", "bandwidth_bps": 1e8, "link_bps": 1e8,
+             "method": m, "parallel": "fsdp", "workers": 2, "step_time": times[rnd],
+             "compute_time": times[rnd] / 2, "comm_time": times[rnd] / 2, "compress_time": 0.0,
+             "hook_time": 0.0, "bytes_per_step": 4e6, "ring_bytes_per_step": 3e6,
+             "all_gather_bytes_per_step": 2e6, "reduce_scatter_bytes_per_step": 2e6,
+             "collectives_per_step": 26.0, "shard_param_bytes": 1e6, "shard_grad_bytes": 1e6,
+             "shard_optimizer_bytes": 1e6, "params": 5e5, "factorized": m != "fsdp"}
+            for rnd in range(2) for m, times in steps.items()]
+    config = {"model": "resnet18", "width": 0.25, "methods": list(steps), "parallel": "fsdp",
+              "bandwidths": ["100mbit"], "workers": 2, "batch_size": 64, "rounds": 2,
+              "threads": 1}
+    path.write_text(json.dumps({
+        "config": config, "rounds": recs, "rows": [], "skipped": [], "failures": [],
+        "links": [{"bandwidth": "100mbit", "bandwidth_bps": 1e8, "link_bps": 1e8}],
+        "order": [[["100mbit", list(steps)]]] * 2}))
+    return path
+
+
+def test_accuracy_runs_under_fsdp_take_fsdp_as_the_target(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from test_bench_accuracy import DDP_ROWS, PUFF_ROWS, _train_run
+
+    saved = _fsdp_results(tmp_path / "saved.json")
+    full = _train_run(tmp_path / "full", DDP_ROWS, parallel="fsdp")
+    puff = _train_run(tmp_path / "puff", PUFF_ROWS, mode="pufferfish", warmup_epochs="1",
+                      parallel="fsdp")
+    out = tmp_path / "out"
+    assert main(["bench", "--from-results", str(saved), "--accuracy-runs",
+                 f"fsdp={full},pufferfish+fsdp={puff}", "--out", str(out)]) == 0, \
+        capsys.readouterr().err
+    tta = json.loads((out / "results.json").read_text())["time_to_accuracy"]
+    assert tta["target_method"] == "fsdp" and tta["ddp_final_acc"] == 0.90
+    by = {(r["method"], r["points_below"]): r for r in tta["measured"]["table"]}
+    # 100 steps/epoch; warm-up epoch at fsdp's 1.1 s, then 0.55 s: 110 + 2 * 55 s to -0.5.
+    assert by["pufferfish+fsdp", 0.5]["seconds"] == pytest.approx(220)
+    assert by["pufferfish+fsdp", 0.5]["speedup_vs_ddp"] == pytest.approx(330 / 220)
+    md = (out / "results.md").read_text()
+    assert "Targets: FSDP2's final 90.00%" in md and "## Sharded data parallel (FSDP2)" in md
+    # A run trained under DDP does not stand for an FSDP2 method.
+    ddp_run = _train_run(tmp_path / "ddp-run", DDP_ROWS)
+    assert main(["bench", "--from-results", str(saved), "--accuracy-runs", f"fsdp={ddp_run}",
+                 "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "the run has parallel 'ddp' but the bench's fsdp measures parallel 'fsdp'" in err

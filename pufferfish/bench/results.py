@@ -93,18 +93,20 @@ def time_to_accuracy_result(cfg: BenchConfig, rows: list[dict[str, Any]], links:
     step_times = {(r["bandwidth"], r["method"]): acc.StepTime(r["step_time"],
                                                               *r["spread"]["step_time"])
                   for r in rows}
-    ddp_final = runs["ddp"].accuracies[-1]
+    target = acc.target_method(runs)
+    ddp_final = runs[target].accuracies[-1]
     curves = acc.measured_curves(runs, step_times, links, cfg.workers)
     result: dict[str, Any] = {
         "runs": {m: {"path": r.path, "epochs": len(r.rows), "epochs_planned": r.epochs_planned,
                      "final_test_acc": r.accuracies[-1], "batch_size": r.batch_size,
                      "train_examples": r.train_examples} for m, r in runs.items()},
-        "ddp_final_acc": ddp_final,
+        "ddp_final_acc": ddp_final,  # the target_method's
+        "target_method": target,
         "points_below": list(acc.TARGET_POINTS),
         "workers": cfg.workers,
         "accuracy_processes": cfg.accuracy_processes or cfg.workers,
         "measured": {"curves": [asdict(c) for c in curves],
-                     "table": acc.target_table(curves, ddp_final)},
+                     "table": acc.target_table(curves, ddp_final, baseline=target)},
         "projected": None,
     }
     if cfg.compute_ms is not None:
@@ -115,7 +117,7 @@ def time_to_accuracy_result(cfg: BenchConfig, rows: list[dict[str, Any]], links:
             "workers": list(acc.PROJECTED_WORKERS),
             "bandwidths_bps": list(proj.DEFAULT_BANDWIDTHS),
             "curves": [asdict(c) for c in projected],
-            "table": acc.target_table(projected, ddp_final)}
+            "table": acc.target_table(projected, ddp_final, baseline=target)}
     return result
 
 
