@@ -284,10 +284,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "(emulation needs root + iproute2 and exactly 2 workers)")
     ap.add_argument("--workers", type=int, default=d.workers,
                     help="processes per group; more than 2 only on loopback")
-    ap.add_argument("--steps", type=int, default=d.steps, help="timed full DDP steps")
+    ap.add_argument("--steps", type=int, default=d.steps,
+                    help="timed full steps (DDP, or FSDP2 for fsdp methods)")
     ap.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first")
     ap.add_argument("--compute-steps", type=int, default=d.compute_steps,
-                    help="timed steps under ddp.no_sync() (compute only)")
+                    help="timed steps under ddp.no_sync(), compute only (fsdp methods: on an "
+                         "unsharded copy of the model)")
     ap.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker")
     for option in HOOK_OPTIONS:
         ap.add_argument("--" + option.key.replace("_", "-"), type=option.kind,
