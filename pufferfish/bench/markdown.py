@@ -144,9 +144,9 @@ def _sharded_markdown(rows: list[dict[str, Any]], rounds: list[dict[str, Any]]) 
         "step; compute = median of the same steps on an unsharded local copy (FSDP2 has no "
         "communication-free mode). MB per step of each collective (payload, from the shards' "
         "sizes), the ring bytes a process sends against DDP's of the same model (ddp for fsdp, "
-        "pufferfish for pufferfish+fsdp), and one process's sharded parameters, gradients and optimizer state. speedup vs "
-        "ddp = DDP's step / this step; pufferfish+fsdp vs fsdp = fsdp's step / "
-        "pufferfish+fsdp's: both within each round, median [min–max].", "",
+        "pufferfish for pufferfish+fsdp), and one process's sharded parameters, gradients and "
+        "optimizer state. speedup vs ddp = DDP's step / this step; pufferfish+fsdp vs fsdp = "
+        "fsdp's step / pufferfish+fsdp's: both within each round, median [min–max].", "",
     ]
     table = []
     for r in sharded:
@@ -212,8 +212,7 @@ def _projection_markdown(projection: dict[str, Any]) -> list[str]:
         "",
         f"α = {projection['alpha'] * 1e6:g} µs per message. Step = measured compute (median "
         "over all rows of the same model: full-rank or factorized, DDP's or FSDP2's) + the "
-        "method's median "
-        "compress + modelled communication with no overlap; all-reduce methods send 2(p-1)/p "
+        "method's median compress + modelled communication with no overlap; all-reduce methods send 2(p-1)/p "
         "of their payload, all-gather ones (signum, topk) (p-1) times it, FSDP2 (p-1)/p of the "
         "unsharded bytes its all-gathers and reduce-scatters move. Cells: step ms "
         "(speedup vs ddp).",
