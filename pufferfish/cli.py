@@ -213,9 +213,9 @@ def _parser() -> argparse.ArgumentParser:
     _config_flags(compare, skip=("mode", "out", "resume"))
     compare.set_defaults(run=_cmd_compare)
 
-    bench = sub.add_parser("bench", help="time each method's DDP steps over real and emulated "
-                                         "links; project to more workers (--train: accuracy "
-                                         "against time)",
+    bench = sub.add_parser("bench", help="time each method's DDP (or FSDP2: --parallel fsdp) "
+                                         "steps over real and emulated links; project to more "
+                                         "workers (--train: accuracy against time)",
                            description="Writes results.json, results.md and plots into --out.")
     add_bench_arguments(bench)
     bench.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -157,12 +157,13 @@ def load(out: Path, again: Path | None) -> None:
 
 
 def count(out: Path) -> None:
-    counted = {"all_gather": 0, "reduce_scatter": 0}
+    counted = {"all_gather": 0, "reduce_scatter": 0, "calls": 0}
 
     def counting(name: str, collective: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
             counted[name] += tensor.numel() * tensor.element_size()
+            counted["calls"] += 1
             return collective(*args, **kwargs)
         return call
 
@@ -180,7 +181,8 @@ def count(out: Path) -> None:
             nn.functional.cross_entropy(m(x), y).backward()
         predicted = fsdp.comm_bytes(m, dist.get_world_size())
         rows.append({"counted": dict(counted), "all_gather": predicted.all_gather,
-                     "reduce_scatter": predicted.reduce_scatter})
+                     "reduce_scatter": predicted.reduce_scatter,
+                     "collectives": predicted.collectives})
     if dist.get_rank() == 0:
         out.write_text(json.dumps(rows))
 

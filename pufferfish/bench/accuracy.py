@@ -17,7 +17,7 @@ full-rank counterpart's time while its ``metrics.jsonl`` row says ``lowrank: fal
 after the switch. The row's flag describes the model at the epoch's end, so an automatic
 switch inside an epoch counts that whole epoch as low-rank. Evaluation and data loading
 are not counted. The target is full-rank DDP's final test accuracy minus 0.5 and minus 1
-point.
+point (FSDP2's when there is no DDP run: ``--parallel fsdp``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,14 @@ from ..formatting import markdown_table
 from ..training.metrics import read_metrics
 from . import projection as proj
 from .netns import format_bps
-from .step import BENCH_METHODS, PUFFERFISH_RANK_RATIO, hook_for, parse_method_map, sync_for
+from .step import (
+    BENCH_METHODS,
+    PUFFERFISH_RANK_RATIO,
+    hook_for,
+    parallel_for,
+    parse_method_map,
+    sync_for,
+)
 
 __all__ = [
     "FASHION_MNIST_TEST",
@@ -51,12 +58,14 @@ __all__ = [
     "plot",
     "projected_curves",
     "steps_per_epoch",
+    "target_method",
     "target_table",
     "time_to_accuracy",
     "wallclock",
 ]
 
 TARGET_POINTS: tuple[float, ...] = (0.5, 1.0)  # below full-rank DDP's final accuracy
+TARGET_METHODS = ("ddp", "fsdp")  # the full-rank run that sets the target, first found
 PROJECTED_WORKERS: tuple[int, ...] = (8, 64)
 FASHION_MNIST_TRAIN = 60_000  # training images; the bench measures Fashion-MNIST batches
 FASHION_MNIST_TEST = 10_000
@@ -90,10 +99,15 @@ def parse_accuracy_runs(spec: str) -> dict[str, Path]:
     runs = {m: Path(d) for m, d in parse_method_map(
         spec, "--accuracy-runs", "METHOD=RUN_DIR, e.g. ddp=runs/full,pufferfish=runs/pufferfish",
         BENCH_METHODS, ", ".join(BENCH_METHODS)).items()}
-    if "ddp" not in runs:
-        raise ValueError(f"--accuracy-runs {spec!r} has no ddp run: the target is full-rank "
-                         "DDP's final accuracy")
+    if not set(TARGET_METHODS) & set(runs):
+        raise ValueError(f"--accuracy-runs {spec!r} has no ddp run (or fsdp run): the target is "
+                         "full-rank DDP's (FSDP2's) final accuracy")
     return runs
+
+
+def target_method(runs: Mapping[str, Any]) -> str:
+    """The run whose final accuracy sets the targets: ddp's, else (``--parallel fsdp``) fsdp's."""
+    return next(m for m in TARGET_METHODS if m in runs)
 
 
 def load_accuracy_runs(
@@ -126,7 +140,7 @@ def load_accuracy_runs(
         factorized, hook = hook_for(method)
         expect = {"data": "fashion-mnist", "model": model, "width": width,
                   "batch_size": batch_size, "mode": "pufferfish" if factorized else "full",
-                  "comm": hook, "sync": sync_for(method)}
+                  "comm": hook, "sync": sync_for(method), "parallel": parallel_for(method)}
         if sync_for(method) == "diloco" and inner_steps:
             expect["inner_steps"] = inner_steps
         if processes and processes != workers:
@@ -161,12 +175,14 @@ def steps_per_epoch(train_examples: int, batch_size: int, workers: int) -> int:
 
 def phase_methods(method: str) -> tuple[str, str]:
     """``(full-rank phase, low-rank phase)`` bench methods whose step times a run's epochs take:
-    a factorized method warms up as the full-rank method with the same hook."""
+    a factorized method warms up as the full-rank method with the same hook, synchronization and
+    parallelism (pufferfish+fsdp as fsdp)."""
     factorized, hook = hook_for(method)
     if not factorized:
         return method, method
     full = next(m for m, (f, h) in BENCH_METHODS.items()
-                if not f and h == hook and sync_for(m) == sync_for(method))
+                if not f and h == hook and sync_for(m) == sync_for(method)
+                and parallel_for(m) == parallel_for(method))
     return full, method
 
 
@@ -316,25 +332,26 @@ def projected_curves(
 
 
 def target_table(
-    curves: Sequence[Curve], ddp_final: float, points: Sequence[float] = TARGET_POINTS
+    curves: Sequence[Curve], ddp_final: float, points: Sequence[float] = TARGET_POINTS,
+    baseline: str = "ddp",
 ) -> list[dict[str, Any]]:
     """Per regime, method and target (``ddp_final`` minus ``points`` percentage points): the
     epoch and seconds at which the curve first reaches it, with low/high seconds, and the
     speed-up over DDP's curve in the same regime with its worst/best case (DDP's low time
-    over the method's high, DDP's high over the method's low)."""
+    over the method's high, DDP's high over the method's low); DDP is ``baseline``'s curve."""
     table: list[dict[str, Any]] = []
     for point in points:
         target = ddp_final - point / 100
         for regime in dict.fromkeys(c.regime for c in curves):
             here = [c for c in curves if c.regime == regime]
             reach = {c.method: _reach(c, target) for c in here}
-            ddp = reach.get("ddp")
+            ddp = reach.get(baseline)
             for c in here:
                 row = {"regime": regime, "method": c.method, "points_below": point,
                        "target_acc": target, "best_acc": max(c.accuracies),
                        "step_times": c.step_times, **reach[c.method]}
                 row["speedup_vs_ddp"] = row["speedup_worst"] = row["speedup_best"] = None
-                if c.method == "ddp" and row["seconds"] is not None:  # itself, exactly
+                if c.method == baseline and row["seconds"] is not None:  # itself, exactly
                     row["speedup_vs_ddp"] = row["speedup_worst"] = row["speedup_best"] = 1.0
                 elif ddp and ddp["seconds"] is not None and row["seconds"] is not None:
                     row["speedup_vs_ddp"] = ddp["seconds"] / row["seconds"]
@@ -413,10 +430,15 @@ def _processes(tta: Mapping[str, Any]) -> str:
             "per epoch, the batch statistics of BatchNorm over a different split")
 
 
+def _baseline_name(tta: Mapping[str, Any]) -> str:
+    return "FSDP2" if tta.get("target_method") == "fsdp" else "DDP"
+
+
 def markdown(tta: Mapping[str, Any]) -> list[str]:
     """The ``results.md`` sections of :func:`pufferfish.bench.results.time_to_accuracy_result`."""
     points = tta["points_below"]
     final = tta["ddp_final_acc"]
+    ddp = _baseline_name(tta)
     targets = ", ".join(f"{100 * (final - p / 100):.2f}% (−{p:g})" for p in points)
     lines = [
         "", "## Time to accuracy: accuracy of the training runs, time of the measured steps", "",
@@ -428,12 +450,13 @@ def markdown(tta: Mapping[str, Any]) -> list[str]:
         f"Steps/epoch = ⌊N / {tta['workers']} workers⌋ / batch ({_processes(tta)}). "
         "Evaluation and data loading are not counted. "
         "step ms: median step time (a Pufferfish run's warm-up → after the switch). "
-        "[low–high]: every step time at its min / max over rounds; speed-up vs DDP [worst–best]: "
-        "DDP's low time over the method's high, and DDP's high over the method's low.", "",
+        f"[low–high]: every step time at its min / max over rounds; speed-up vs {ddp} "
+        f"[worst–best]: {ddp}'s low time over the method's high, and {ddp}'s high over the "
+        "method's low.", "",
         *markdown_table(["method", "run", "epochs", "final test acc"],
                         [_run_cells(method, run) for method, run in tta["runs"].items()]),
     ]
-    lines += ["", f"Targets: DDP's final {100 * final:.2f}% minus 0.5 and 1 point: {targets}.",
+    lines += ["", f"Targets: {ddp}'s final {100 * final:.2f}% minus 0.5 and 1 point: {targets}.",
               "", *_table(tta["measured"]["table"], points, "link", ranges=True)]
     pj = tta["projected"]
     if pj:
@@ -501,7 +524,8 @@ def plot(tta: Mapping[str, Any], out: Path) -> list[Path]:
             ax.grid(alpha=0.3)
         for ax in axes[:, 0]:
             ax.set_ylabel("test accuracy (%)")
-        axes.flat[0].legend(fontsize=8, title="dashed: DDP final −0.5, dotted: −1",
+        axes.flat[0].legend(fontsize=8, title=f"dashed: {_baseline_name(tta)} final −0.5, "
+                                              "dotted: −1",
                             title_fontsize=7)
         fig.text(0.5, 0.01, note, ha="center", fontsize=8)
         fig.tight_layout(rect=(0, 0.04, 1, 1))

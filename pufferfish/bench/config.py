@@ -17,7 +17,16 @@ from ..distributed.hooks import with_option_fields
 from . import accuracy as acc
 from . import projection as proj
 from .netns import parse_bandwidth
-from .step import BENCH_METHODS, HOOK_DEFAULTS, HOOK_OPTIONS, LM_MODELS, hook_for, parse_method_map
+from .step import (
+    BENCH_METHODS,
+    FSDP_METHODS,
+    FSDP_VERSIONS,
+    HOOK_DEFAULTS,
+    HOOK_OPTIONS,
+    LM_MODELS,
+    hook_for,
+    parse_method_map,
+)
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -27,6 +36,7 @@ __all__ = [
     "add_arguments",
     "config_from_args",
     "load_results",
+    "parallel_methods",
     "results_path",
 ]
 
@@ -43,6 +53,7 @@ class BenchConfig:
     model: str = "resnet18"
     width: float = 0.5
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
+    parallel: str = "ddp"  # fsdp: --methods ddp,pufferfish measured as fsdp,pufferfish+fsdp
     bandwidths: list[str] = field(default_factory=lambda: ["loopback"])
     workers: int = 2
     steps: int = 20
@@ -98,6 +109,7 @@ class BenchConfig:
             hook_for(m)
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"--methods {','.join(self.methods)!r} names a method twice")
+        self._validate_fsdp()
         if not self.bandwidths:
             raise ValueError("--bandwidth is empty: allowed e.g. loopback,1gbit,100mbit")
         rates = [parse_bandwidth(b) for b in self.bandwidths]
@@ -156,6 +168,30 @@ class BenchConfig:
                 f"Fashion-MNIST directory {str(data)!r} does not exist: install the Debian "
                 "package dataset-fashion-mnist or pass --data-dir"
             )
+
+    def _validate_fsdp(self) -> None:
+        """``--parallel`` and the FSDP2 methods: what ``pufferfish train --parallel fsdp``
+        refuses is refused here, before any worker starts."""
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ValueError(f"--parallel {self.parallel!r} is invalid: allowed ddp, fsdp")
+        if self.parallel == "fsdp":
+            parallel_methods(self.methods, "fsdp")  # every method has an FSDP2 version
+        sharded = [m for m in self.methods if m in FSDP_METHODS]
+        if not sharded:
+            return
+        if self.compile:
+            raise ValueError(f"--compile is invalid with {sharded[0]} (FSDP2 runs are not "
+                             "compiled: `pufferfish train --parallel fsdp` refuses it): allowed "
+                             "--no-compile")
+        if self.train:
+            for m in sharded:
+                factorized, hook = hook_for(m)
+                try:
+                    load_config(self.train_config or None, overrides={
+                        "model": self.model, "parallel": "fsdp", "comm": hook,
+                        "mode": "pufferfish" if factorized else "full"})
+                except ConfigError as e:
+                    raise ValueError(f"--train {m}: {e}") from None
 
     def _validate_accuracy(self) -> None:
         """``--accuracy-runs`` / ``--compute-ms``: the runs exist, match the measured model and
@@ -236,16 +272,24 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="language models: vocabulary size of the model and its batches")
     ap.add_argument("--width", type=float, default=d.width, help="channel multiplier")
     ap.add_argument("--methods", default=",".join(d.methods),
-                    help=f"comma-separated, from: {', '.join(BENCH_METHODS)}")
+                    help=f"comma-separated, from: {', '.join(BENCH_METHODS)} (with --parallel "
+                         "fsdp the default is ddp,pufferfish)")
+    ap.add_argument("--parallel", choices=("ddp", "fsdp"), default=d.parallel,
+                    help="fsdp: measure the FSDP2 versions of --methods ddp,pufferfish "
+                         "(fsdp, pufferfish+fsdp; no other method has one); to compare both "
+                         "side by side, keep ddp and name them: --methods "
+                         "ddp,pufferfish,fsdp,pufferfish+fsdp")
     ap.add_argument("--bandwidth", default="loopback",
                     help="comma-separated: loopback and/or emulated rates such as 1gbit,100mbit "
                          "(emulation needs root + iproute2 and exactly 2 workers)")
     ap.add_argument("--workers", type=int, default=d.workers,
                     help="processes per group; more than 2 only on loopback")
-    ap.add_argument("--steps", type=int, default=d.steps, help="timed full DDP steps")
+    ap.add_argument("--steps", type=int, default=d.steps,
+                    help="timed full steps (DDP, or FSDP2 for fsdp methods)")
     ap.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first")
     ap.add_argument("--compute-steps", type=int, default=d.compute_steps,
-                    help="timed steps under ddp.no_sync() (compute only)")
+                    help="timed steps under ddp.no_sync(), compute only (fsdp methods: on an "
+                         "unsharded copy of the model)")
     ap.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker")
     for option in HOOK_OPTIONS:
         ap.add_argument("--" + option.key.replace("_", "-"), type=option.kind,
@@ -315,8 +359,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """A validated :class:`BenchConfig` from parsed ``add_arguments`` options."""
     measured = _measured_config(args.from_results) if args.from_results else {}
     cfg = BenchConfig(
-        model=args.model, width=args.width,
-        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        model=args.model, width=args.width, parallel=args.parallel,
+        methods=parallel_methods(_methods_arg(args), args.parallel),
         bandwidths=[b.strip() for b in args.bandwidth.split(",") if b.strip()],
         workers=args.workers, steps=args.steps, warmup=args.warmup,
         compute_steps=args.compute_steps, batch_size=args.batch_size,
@@ -342,8 +386,32 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return cfg
 
 
+def _methods_arg(args: argparse.Namespace) -> list[str]:
+    """``--methods`` as a list; under ``--parallel fsdp`` the default is the two that have an
+    FSDP2 version."""
+    if args.parallel == "fsdp" and args.methods == ",".join(DEFAULT_METHODS):
+        return list(FSDP_VERSIONS)
+    return [m.strip() for m in args.methods.split(",") if m.strip()]
+
+
+def parallel_methods(methods: list[str], parallel: str) -> list[str]:
+    """The methods ``--methods`` names under ``--parallel``: with ``fsdp``, ddp and pufferfish
+    become their FSDP2 versions; any other method is refused (``ValueError``, one line)."""
+    if parallel != "fsdp":
+        return list(methods)
+    out = []
+    for m in methods:
+        if m not in FSDP_METHODS and m not in FSDP_VERSIONS:
+            raise ValueError(
+                f"method {m!r} is invalid with --parallel fsdp: allowed "
+                f"{', '.join(FSDP_VERSIONS)} (measured as {', '.join(FSDP_VERSIONS.values())}), "
+                "or --parallel ddp")
+        out.append(FSDP_VERSIONS.get(m, m))
+    return out
+
+
 # Settings that describe a measurement, taken from the results when reused.
-_MEASURED = ("model", "width", "methods", "bandwidths", "workers", "steps", "warmup",
+_MEASURED = ("model", "width", "methods", "parallel", "bandwidths", "workers", "steps", "warmup",
              "compute_steps", "batch_size", *(option.key for option in HOOK_OPTIONS), "threads",
              "rounds", "channels_last", "compile", "bucket_mb", "inner_steps", "seq_len",
              "vocab_size")
@@ -372,6 +440,6 @@ def load_results(path: str) -> dict[str, Any]:
 
 def _measured_config(path: str) -> dict[str, Any]:
     # Older results: NCHW, eager, torch's default buckets.
-    saved = {"channels_last": False, "compile": False, "bucket_mb": "torch",
+    saved = {"channels_last": False, "compile": False, "bucket_mb": "torch", "parallel": "ddp",
              **load_results(path)["config"]}
     return {k: saved[k] for k in _MEASURED if k in saved}

@@ -16,6 +16,7 @@ from . import accuracy as acc
 from . import projection as proj
 from .config import BenchConfig, results_path
 from .netns import format_bps
+from .rounds import spread
 from .step import LM_MODELS
 
 __all__ = ["results_markdown", "train_markdown"]
@@ -83,6 +84,7 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
             "compress ms", "MB/step", "ring MB/step", "params", "speedup vs ddp",
             "predicted ms", "error", "buckets MiB", "vs torch's buckets", "overlap"]
     lines += ["", "## Measured", "", *markdown_table(head, map(_measured_cells, rows))]
+    lines += _sharded_markdown(rows, result["rounds"])
     lines += _compute_check_markdown(result["compute_check"], [x["bandwidth"]
                                                                for x in result["links"]])
     lines += _projection_markdown(result["projection"])
@@ -118,10 +120,62 @@ def _measured_cells(r: dict[str, Any]) -> list[str]:
             f"{100 * r['comm_share']:.0f}% [{100 * share[0]:.0f}–{100 * share[1]:.0f}]",
             _ms(r["compress_time"]), f"{r['bytes_per_step'] / 1e6:.3f}",
             f"{r['ring_bytes_per_step'] / 1e6:.3f}", f"{r['params'] / 1e6:.3f}M", speed,
-            _ms(r["predicted_step_time"]), err, _buckets(r.get("buckets")),
-            "-" if "bucket_speedup" not in r else f"{r['bucket_speedup']:.2f}x "
+            _ms(r["predicted_step_time"]), err,
+            "-" if r.get("parallel") == "fsdp" else _buckets(r.get("buckets")),
+            "-" if "bucket_speedup" not in r or r.get("parallel") == "fsdp"
+            else f"{r['bucket_speedup']:.2f}x "
             f"[{r['spread']['bucket_speedup'][0]:.2f}–{r['spread']['bucket_speedup'][1]:.2f}]",
             "-" if r.get("overlap_efficiency") is None else f"{r['overlap_efficiency']:.2f}"]
+
+
+def _sharded_markdown(rows: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> list[str]:
+    """The FSDP2 rows (``fsdp``, ``pufferfish+fsdp``): what their collectives move, each process's
+    share of the state, and the ratios to DDP and to full rank taken within each round."""
+    sharded = [r for r in rows if r.get("parallel") == "fsdp"]
+    if not sharded:
+        return []
+    head = ["method", "bandwidth", "all-gather MB", "reduce-scatter MB", "collectives",
+            "ring MB", "ring vs DDP's", "shard params MB", "shard grads MB", "shard optimizer MB",
+            "speedup vs ddp", "pufferfish+fsdp vs fsdp"]
+    lines = [
+        "", "## Sharded data parallel (FSDP2)", "",
+        "fsdp / pufferfish+fsdp: the model sharded with FSDP2 (`pufferfish train --parallel "
+        "fsdp`'s units: each block and the root), no channels_last; step = median full FSDP2 "
+        "step; compute = median of the same steps on an unsharded local copy (FSDP2 has no "
+        "communication-free mode). MB per step of each collective (payload, from the shards' "
+        "sizes), the ring bytes a process sends against DDP's of the same model (ddp for fsdp, "
+        "pufferfish for pufferfish+fsdp), and one process's sharded parameters, gradients and "
+        "optimizer state. speedup vs ddp = DDP's step / this step; pufferfish+fsdp vs fsdp = "
+        "fsdp's step / pufferfish+fsdp's: both within each round, median [min–max].", "",
+    ]
+    table = []
+    for r in sharded:
+        dense = next((x for x in rows if x["bandwidth"] == r["bandwidth"]
+                      and x["method"] == ("pufferfish" if r["factorized"] else "ddp")), None)
+        vs_ddp = ("-" if dense is None
+                  else f"{r['ring_bytes_per_step'] / dense['ring_bytes_per_step']:.2f}x")
+        speed = "-" if r["speedup_vs_ddp"] is None else (
+            f"{r['speedup_vs_ddp']:.2f}x [{r['spread']['speedup_vs_ddp'][0]:.2f}–"
+            f"{r['spread']['speedup_vs_ddp'][1]:.2f}]")
+        gain = _round_ratio(rounds, r["bandwidth"], "fsdp", "pufferfish+fsdp") \
+            if r["method"] == "pufferfish+fsdp" else "-"
+        table.append([r["method"], r["bandwidth"], *(f"{r[k] / 1e6:.3f}" for k in (
+            "all_gather_bytes_per_step", "reduce_scatter_bytes_per_step")),
+            f"{r['collectives_per_step']:.0f}", f"{r['ring_bytes_per_step'] / 1e6:.3f}", vs_ddp,
+            *(f"{r[k] / 1e6:.3f}" for k in ("shard_param_bytes", "shard_grad_bytes",
+                                            "shard_optimizer_bytes")), speed, gain])
+    return lines + markdown_table(head, table)
+
+
+def _round_ratio(rounds: list[dict[str, Any]], link: str, base: str, method: str) -> str:
+    """``base``'s step / ``method``'s in each round on ``link``: median [min–max]."""
+    steps = {(r["round"], r["method"]): r["step_time"] for r in rounds if r["bandwidth"] == link}
+    ratios = [steps[(k, base)] / steps[(k, method)] for k, m in steps
+              if m == method and (k, base) in steps]
+    if not ratios:
+        return "-"
+    s = spread(ratios)
+    return f"{s['median']:.2f}x [{s['min']:.2f}–{s['max']:.2f}]"
 
 
 def _buckets(caps: list[float | None] | None) -> str:
@@ -157,9 +211,10 @@ def _projection_markdown(projection: dict[str, Any]) -> list[str]:
         "## Projection (ring α-β model)",
         "",
         f"α = {projection['alpha'] * 1e6:g} µs per message. Step = measured compute (median "
-        "over all rows of the same model: full-rank or factorized) + the method's median "
-        "compress + modelled communication with no overlap; all-reduce methods send 2(p-1)/p "
-        "of their payload, all-gather ones (signum, topk) (p-1) times it. Cells: step ms "
+        "over all rows of the same model: full-rank or factorized, DDP's or FSDP2's) + the "
+        "method's median compress + modelled communication with no overlap; all-reduce methods send 2(p-1)/p "
+        "of their payload, all-gather ones (signum, topk) (p-1) times it, FSDP2 (p-1)/p of the "
+        "unsharded bytes its all-gathers and reduce-scatters move. Cells: step ms "
         "(speedup vs ddp).",
     ]
     for p in projection["workers"]:

@@ -10,6 +10,11 @@ figures with the textbook ring model (Thakur et al., 2005; the same model
   ``T = c * 2(p-1) * α + 2(p-1)/p * 8n / B``;
 * all-gather of ``n`` bytes per rank (signum, topk), ``c`` collectives per step:
   ``T = c * (p-1) * α + (p-1) * 8n / B``.
+* FSDP2 (fsdp, pufferfish+fsdp), ``c`` all-gathers and reduce-scatters per step, each of
+  whose rings sends ``(p-1)/p`` of the unsharded tensors: ``T = c * (p-1) * α + (p-1)/p * 8n / B``
+  with ``n`` = the unsharded bytes all-gathered and reduce-scattered in one step (the model's
+  parameters about three times: gathered in forward and again in backward, gradients
+  scattered), i.e. the measured ring bytes x p/(p-1) (:func:`projected_payload`).
 
 ``B`` is in bits/s, ``n`` in bytes, ``α`` is the per-message latency in seconds. The
 latency term is multiplied by the number of collectives a step launches (one per DDP
@@ -36,7 +41,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..distributed.hooks import hook_family
-from .step import BENCH_METHODS
+from .step import BENCH_METHODS, FSDP_METHODS
 
 __all__ = [
     "ALLGATHER_METHODS",
@@ -48,6 +53,7 @@ __all__ = [
     "comm_time",
     "crossover",
     "project",
+    "projected_payload",
     "step_time",
 ]
 
@@ -59,7 +65,7 @@ ALLGATHER_METHODS = frozenset(
     method for method, (_, hook) in BENCH_METHODS.items() if hook_family(hook).collective == "allgather"
 )
 
-Kind = Literal["allreduce", "allgather"]
+Kind = Literal["allreduce", "allgather", "sharded"]
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,8 @@ class CommProfile:
     """What one method costs per step on one worker, as measured by the benchmark.
 
     ``payload_bytes`` is the hooks' ``bytes_sent``: the all-reduce input size, or this
-    rank's own all-gather contribution, without any algorithm factor.
+    rank's own all-gather contribution, without any algorithm factor; for FSDP2 the unsharded
+    bytes of its collectives (:func:`projected_payload`).
     """
 
     method: str
@@ -86,23 +93,34 @@ class CommProfile:
         payload_bytes: float,
         collectives: float = 1.0,
     ) -> CommProfile:
-        """Profile with the collective kind the method's hook uses."""
-        kind: Kind = "allgather" if method in ALLGATHER_METHODS else "allreduce"
+        """Profile with the collective kind the method's hook (or FSDP2) uses."""
+        kind: Kind = ("sharded" if method in FSDP_METHODS
+                      else "allgather" if method in ALLGATHER_METHODS else "allreduce")
         return cls(method, compute_time, compress_time, payload_bytes, collectives, kind)
 
     def latency_term(self, p: int, alpha: float) -> float:
         """Seconds of per-message latency per step on ``p`` workers."""
-        hops = 2 * (p - 1) if self.kind == "allreduce" else p - 1
+        hops = 2 * (p - 1) if self.kind == "allreduce" else p - 1  # all-gather, reduce-scatter
         return self.collectives * hops * alpha
 
     def bits_on_wire(self, p: int) -> float:
         """Bits one rank sends per step under the ring model (``slope`` of ``1/B``)."""
-        factor = 2 * (p - 1) / p if self.kind == "allreduce" else float(p - 1)
+        factor = {"allreduce": 2 * (p - 1) / p, "allgather": float(p - 1),
+                  "sharded": (p - 1) / p}[self.kind]
         return factor * 8 * self.payload_bytes
 
     def fixed_time(self, p: int, alpha: float) -> float:
         """The part of a projected step that does not shrink with bandwidth."""
         return self.compute_time + self.compress_time + self.latency_term(p, alpha)
+
+
+def projected_payload(record: dict[str, object]) -> float:
+    """The ``payload_bytes`` of a measured record's profile: its ``bytes_per_step``, or for FSDP2
+    the unsharded bytes its rings moved, ``ring_bytes_per_step x p/(p-1)`` (independent of p)."""
+    if record["method"] not in FSDP_METHODS:
+        return float(record["bytes_per_step"])  # type: ignore[arg-type]
+    p = float(record["workers"])  # type: ignore[arg-type]
+    return float(record["ring_bytes_per_step"]) * p / (p - 1)  # type: ignore[arg-type]
 
 
 def _check(p: int, bandwidth_bps: float, alpha: float) -> None:

@@ -22,16 +22,19 @@ def _profile(method: str, recs: list[dict[str, Any]],
     """A method's profile for the projection.
 
     ``compute_time`` is the median over every record of the same model (full-rank or
-    factorized), at every bandwidth: compute-only steps run no hook, so ddp, fp16,
+    factorized; DDP's or FSDP2's), at every bandwidth: compute-only steps run no hook, so ddp, fp16,
     powersgd, signum and topk do identical work there, and pooling them damps the noise of
     a shared machine. ``compress_time`` is the median of the method's own records.
     """
-    same_model = [r["compute_time"] for r in all_recs if r["factorized"] == recs[0]["factorized"]]
+    def layout(r: dict[str, Any]) -> tuple[bool, str]:  # FSDP2's model is not channels_last
+        return r["factorized"], r.get("parallel", "ddp")
+
+    same_model = [r["compute_time"] for r in all_recs if layout(r) == layout(recs[0])]
     return proj.CommProfile.for_method(
         method,
         compute_time=statistics.median(same_model),
         compress_time=statistics.median(r["compress_time"] for r in recs),
-        payload_bytes=recs[0]["bytes_per_step"],
+        payload_bytes=proj.projected_payload(recs[0]),
         collectives=recs[0]["collectives_per_step"],
     )
 
@@ -50,7 +53,7 @@ def project(records: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
             r["wire_time"] = r["overlap_bound"] = r["overlap_efficiency"] = None
             continue
         own = proj.CommProfile.for_method(r["method"], r["compute_time"], r["compress_time"],
-                                          r["bytes_per_step"], r["collectives_per_step"])
+                                          proj.projected_payload(r), r["collectives_per_step"])
         # Overlap efficiency: the best a step can do if communication hid entirely behind
         # compute (or compute behind the wire), max(compute, wire time), over the measured step.
         r["wire_time"] = own.bits_on_wire(r["workers"]) / bps
@@ -90,18 +93,20 @@ def time_to_accuracy_result(cfg: BenchConfig, rows: list[dict[str, Any]], links:
     step_times = {(r["bandwidth"], r["method"]): acc.StepTime(r["step_time"],
                                                               *r["spread"]["step_time"])
                   for r in rows}
-    ddp_final = runs["ddp"].accuracies[-1]
+    target = acc.target_method(runs)
+    ddp_final = runs[target].accuracies[-1]
     curves = acc.measured_curves(runs, step_times, links, cfg.workers)
     result: dict[str, Any] = {
         "runs": {m: {"path": r.path, "epochs": len(r.rows), "epochs_planned": r.epochs_planned,
                      "final_test_acc": r.accuracies[-1], "batch_size": r.batch_size,
                      "train_examples": r.train_examples} for m, r in runs.items()},
-        "ddp_final_acc": ddp_final,
+        "ddp_final_acc": ddp_final,  # the target_method's
+        "target_method": target,
         "points_below": list(acc.TARGET_POINTS),
         "workers": cfg.workers,
         "accuracy_processes": cfg.accuracy_processes or cfg.workers,
         "measured": {"curves": [asdict(c) for c in curves],
-                     "table": acc.target_table(curves, ddp_final)},
+                     "table": acc.target_table(curves, ddp_final, baseline=target)},
         "projected": None,
     }
     if cfg.compute_ms is not None:
@@ -112,7 +117,7 @@ def time_to_accuracy_result(cfg: BenchConfig, rows: list[dict[str, Any]], links:
             "workers": list(acc.PROJECTED_WORKERS),
             "bandwidths_bps": list(proj.DEFAULT_BANDWIDTHS),
             "curves": [asdict(c) for c in projected],
-            "table": acc.target_table(projected, ddp_final)}
+            "table": acc.target_table(projected, ddp_final, baseline=target)}
     return result
 
 

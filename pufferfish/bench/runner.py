@@ -89,7 +89,7 @@ from .plots import plot_results
 from .progress import TrainingProgress
 from .results import project, time_to_accuracy_result, train_summary
 from .rounds import compute_check, round_plan, summarize
-from .step import HOOK_OPTIONS, hook_for, sync_for
+from .step import HOOK_OPTIONS, hook_for, parallel_for, sync_for
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -251,8 +251,9 @@ def _measure(cfg: BenchConfig, log: Log) -> dict[str, Any]:
                     log(f"[{text}] round {r + 1} {rec['method']}: step {rec['step_time']:.4f} s "
                         f"= compute {rec['compute_time']:.4f} + comm {rec['comm_time']:.4f} "
                         f"(compress {rec['compress_time']:.4f}); "
-                        f"{rec['bytes_per_step'] / 1e6:.3f} MB/step; buckets "
-                        f"{rec.get('bucket_mib') or 'torch'}")
+                        f"{rec['bytes_per_step'] / 1e6:.3f} MB/step; "
+                        + ("FSDP2" if rec.get("parallel") == "fsdp" else
+                           f"buckets {rec.get('bucket_mib') or 'torch'}"))
                 if err is not None:
                     done = {rec["method"] for rec in got}
                     lost = [m for m in methods if m not in done]
@@ -332,6 +333,8 @@ def _train_argv(cfg: BenchConfig, method: str, run_dir: Path) -> list[str]:
         argv += ["--warmup-epochs", str(cfg.warmup_epochs)]
     if sync_for(method) == "diloco":
         argv += ["--sync", "diloco", "--inner-steps", str(cfg.inner_steps)]
+    if parallel_for(method) == "fsdp":
+        argv += ["--parallel", "fsdp"]
     if cfg.train_config:  # its keys first; the flags above override them
         argv[4:4] = ["--config", cfg.train_config]
     if cfg.data_dir:

@@ -37,6 +37,8 @@ DiLoCo methods (``diloco``, ``pufferfish+diloco``) have no DDP: ``compute_time``
 of plain local steps, and each timed "full step" is one outer step (the all-reduce of the
 pseudo-gradients, after a barrier) amortized over ``--inner-steps``: ``step_time`` = compute +
 outer step / H, and ``bytes_per_step`` / ``collectives_per_step`` are the outer step's / H.
+FSDP2 methods (``fsdp``, ``pufferfish+fsdp``) have no DDP either: :mod:`pufferfish.bench.sharded`
+times them (compute on an unsharded local copy, full steps sharded).
 
 ``compress_time`` / ``hook_time``, ``bytes_per_step`` / ``ring_bytes_per_step``
     The hook's :class:`~pufferfish.distributed.hooks.CommStats` per step (median times,
@@ -66,18 +68,14 @@ import itertools
 import json
 import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import TrainConfig
 from ..data import (
     DEFAULT_FASHION_DIR,
     NORMALIZATION,
@@ -89,15 +87,21 @@ from ..distributed.buckets import BucketTuner, bucket_overrides, parse_bucket_mb
 from ..distributed.diloco import DiLoCoState
 from ..distributed.env import cleanup, exit_process
 from ..distributed.hooks import all_hook_options, hook_names, hook_options, register_comm_hook
-from ..galore import galore_optimizer, galore_ranks
-from ..lowrank import factorize
-from ..lowrank.factorize import count_params
-from ..models import build_at_width
-from ..training.step import Replica, train_step
+from ..training.step import Replica
+from .sharded import measure_sharded
+from .workload import (
+    LM_MODELS,
+    PUFFERFISH_RANK_RATIO,
+    build_model,
+    make_optimizer,
+    quartiles,
+    timed,
+    train_one_step,
+)
 
-__all__ = ["BENCH_METHODS", "DILOCO_METHODS", "HOOK_DEFAULTS", "HOOK_OPTIONS", "LM_MODELS",
-           "PUFFERFISH_RANK_RATIO", "hook_for",
-           "main", "method_options", "parse_method_map"]
+__all__ = ["BENCH_METHODS", "DILOCO_METHODS", "FSDP_METHODS", "FSDP_VERSIONS", "HOOK_DEFAULTS",
+           "HOOK_OPTIONS", "LM_MODELS", "PUFFERFISH_RANK_RATIO", "hook_for",
+           "main", "method_options", "parallel_for", "parse_method_map"]
 
 # method -> (factorize the model?, comm hook): plain DDP, every registered comm hook, Pufferfish
 # with plain all-reduce and with each hook (the two compose: a smaller model, then fewer bytes
@@ -110,15 +114,18 @@ BENCH_METHODS: dict[str, tuple[bool, str]] = {
     **{f"pufferfish+{hook}": (True, hook) for hook in hook_names() if hook != "allreduce"},
     "diloco": (False, "allreduce"),
     "pufferfish+diloco": (True, "allreduce"),
+    "fsdp": (False, "allreduce"),
+    "pufferfish+fsdp": (True, "allreduce"),
 }
 # Methods that synchronize with DiLoCo (`pufferfish train --sync diloco`), not DDP every step.
 DILOCO_METHODS = ("diloco", "pufferfish+diloco")
+# Methods that shard with FSDP2 (`pufferfish train --parallel fsdp`): bench/sharded.py.
+FSDP_METHODS = ("fsdp", "pufferfish+fsdp")
+FSDP_VERSIONS = {"ddp": "fsdp", "pufferfish": "pufferfish+fsdp"}  # what --parallel fsdp measures
 # The hooks' options (flags --powersgd-rank, --topk-ratio, ...) and where the bench's defaults
 # differ from training's: PowerSGD compresses from step 2, so that the timed steps compress.
 HOOK_OPTIONS = all_hook_options()
 HOOK_DEFAULTS: dict[str, Any] = {"powersgd_start_iter": 2}
-PUFFERFISH_RANK_RATIO = 0.25  # the paper's ratio, with the model's "paper" preset
-LM_MODELS = ("lstm", "transformer", "llama")  # timed on KJV token batches
 
 # No BatchNorm-statistics broadcast in forward (see the module docstring); newer torch
 # renamed the flag and warns about the old one.
@@ -141,6 +148,11 @@ def hook_for(method: str) -> tuple[bool, str]:
 def sync_for(method: str) -> str:
     """The ``--sync`` of ``pufferfish train`` a bench method trains with."""
     return "diloco" if method in DILOCO_METHODS else "ddp"
+
+
+def parallel_for(method: str) -> str:
+    """The ``--parallel`` of ``pufferfish train`` a bench method trains with."""
+    return "fsdp" if method in FSDP_METHODS else "ddp"
 
 
 def parse_method_map(spec: str, flag: str, form: str, allowed: Sequence[str],
@@ -245,59 +257,6 @@ def _token_batches(args: argparse.Namespace, rank: int, world: int, n: int) -> l
     return out
 
 
-def _build(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, int]:
-    """The model (factorized for Pufferfish methods) and its full-rank parameter count."""
-
-    torch.manual_seed(args.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
-    if args.model in LM_MODELS:
-        model = build_at_width(args.model, args.width, vocab_size=args.vocab,
-                               max_len=args.seq_len)
-    else:
-        model = build_at_width(args.model, args.width, num_classes=10, in_channels=1,
-                               image_size=28)
-    full = count_params(model)
-    if factorized:
-        factorize(model, rank_ratio=PUFFERFISH_RANK_RATIO, preset="paper")
-    if args.channels_last:  # as training stores them (TrainConfig.channels_last)
-        model.to(memory_format=torch.channels_last)
-    if args.compile:
-        model.compile()
-    return model, full
-
-
-def _optimizer(args: argparse.Namespace, method: str, model: nn.Module) -> torch.optim.Optimizer:
-    """SGD with momentum, or for ``galore`` GaLore's optimizer at the Pufferfish ranks."""
-    if method != "galore":
-        return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    cfg = TrainConfig(model=args.model, rank_ratio=str(PUFFERFISH_RANK_RATIO), mode="galore",
-                      lr=args.lr, data="kjv" if args.model in LM_MODELS else "fashion-mnist")
-    return galore_optimizer(model, galore_ranks(model, cfg), cfg)
-
-
-def _train_step(replica: Replica, batch: Any) -> None:
-    x, y = batch
-
-    def loss() -> torch.Tensor:
-        out = replica.wrapped(x)
-        logits = out[0] if isinstance(out, tuple) else out  # language models: (logits, hidden)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-
-    train_step(replica, loss)
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def _quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
-    if len(xs) < 2:
-        return xs[0], xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[1], q[2]
-
-
 def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> dict[str, Any]:
     """Run the protocol of the module docstring for ``method`` on this rank, on
     ``minibatches`` (warm-up + compute-only + full steps of them); return its measurements."""
@@ -306,22 +265,24 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
     factorized, hook = hook_for(method)
     if method in DILOCO_METHODS:
         return _measure_diloco(args, method, minibatches)
-    model, full_params = _build(args, factorized)
+    if method in FSDP_METHODS:
+        return measure_sharded(args, method, factorized, minibatches)
+    model, full_params = build_model(args, factorized)
     tuner = BucketTuner(args.bucket_mb)
     cap = tuner.start(model, method, steps_per_epoch=sys.maxsize)
     ddp = DistributedDataParallel(model, **_NO_BUFFER_SYNC, **bucket_overrides(cap))
     state = register_comm_hook(ddp, hook, **method_options(hook, args))
-    opt = _optimizer(args, method, model)
+    opt = make_optimizer(args, method, model)
     replica = Replica(model, ddp, opt, hook_state=state)
     trial = itertools.cycle(minibatches)
     while tuner.trying:  # auto: this method's own buckets, on extra steps
         with tuner.step(replica):
-            _train_step(replica, next(trial))
+            train_one_step(replica, next(trial))
     ddp = replica.wrapped
     batches = iter(minibatches)
 
     for _ in range(args.warmup):
-        _train_step(replica, next(batches))
+        train_one_step(replica, next(batches))
 
     # Compute-only and full steps alternate, so that both medians see the same machine load
     # (other processes come and go on a shared machine).
@@ -335,7 +296,7 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
             saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
             batch = next(batches)
             with ddp.no_sync():
-                compute.append(_timed(lambda b=batch: _train_step(replica, b)))
+                compute.append(timed(lambda b=batch: train_one_step(replica, b)))
             model.load_state_dict(saved[0])
             opt.load_state_dict(saved[1])
         if i < args.steps:
@@ -344,7 +305,7 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
             dist.barrier()
             batch = next(batches)
             state.stats.reset()
-            steps.append(_timed(lambda b=batch: _train_step(replica, b)))
+            steps.append(timed(lambda b=batch: train_one_step(replica, b)))
             stats.append(state.stats.snapshot())
     chosen = tuner.cap
     torch_steps = _torch_buckets_steps(replica, tuner, itertools.cycle(minibatches), args.steps)
@@ -361,9 +322,9 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
         "compute_times": compute,
         "step_time": statistics.median(steps),
         "torch_step_time": statistics.median(torch_steps) if torch_steps else None,
-        "step_time_quartiles": _quartiles(steps),
+        "step_time_quartiles": quartiles(steps),
         "compute_time": statistics.median(compute),
-        "compute_time_quartiles": _quartiles(compute),
+        "compute_time_quartiles": quartiles(compute),
         "compress_time": median_of("compress_time"),
         "hook_time": median_of("hook_time"),
         "bytes_per_step": mean_of("bytes_sent"),
@@ -386,12 +347,12 @@ def _torch_buckets_steps(replica: Replica, tuner: BucketTuner, batches: Any,
     if tuner.cap is None:
         return []
     tuner.rewrap(replica, None)
-    _train_step(replica, next(batches))  # DDP assigns the buckets in its first step
+    train_one_step(replica, next(batches))  # DDP assigns the buckets in its first step
     out = []
     for _ in range(n):
         dist.barrier()
         batch = next(batches)
-        out.append(_timed(lambda b=batch: _train_step(replica, b)))
+        out.append(timed(lambda b=batch: train_one_step(replica, b)))
     return out
 
 
@@ -399,13 +360,13 @@ def _measure_diloco(args: argparse.Namespace, method: str,
                     minibatches: list[Any]) -> dict[str, Any]:
     """:func:`measure` for a DiLoCo method: local steps, and outer steps over ``--inner-steps``."""
     factorized, hook = hook_for(method)
-    model, full_params = _build(args, factorized)
+    model, full_params = build_model(args, factorized)
     state = DiLoCoState(args.inner_steps).bind(model)
-    opt = _optimizer(args, method, model)
+    opt = make_optimizer(args, method, model)
     replica = Replica(model, model, opt)
     batches = iter(minibatches)
     for _ in range(args.warmup):
-        _train_step(replica, next(batches))
+        train_one_step(replica, next(batches))
     state.sync()
     compute: list[float] = []
     syncs: list[float] = []
@@ -413,19 +374,19 @@ def _measure_diloco(args: argparse.Namespace, method: str,
     for i in range(max(args.steps, args.compute_steps)):
         if i < args.compute_steps:
             batch = next(batches)
-            compute.append(_timed(lambda b=batch: _train_step(replica, b)))
+            compute.append(timed(lambda b=batch: train_one_step(replica, b)))
         if i < args.steps:
             dist.barrier()  # ranks reach an outer step together after their inner steps
             state.stats.reset()
-            syncs.append(_timed(state.sync))
+            syncs.append(timed(state.sync))
             stats.append(state.stats.snapshot())
     h = args.inner_steps
     local = statistics.median(compute)
     steps = [local + s / h for s in syncs]
     return {
         "rank": dist.get_rank(), "step_times": steps, "compute_times": compute,
-        "step_time": statistics.median(steps), "step_time_quartiles": _quartiles(steps),
-        "compute_time": local, "compute_time_quartiles": _quartiles(compute),
+        "step_time": statistics.median(steps), "step_time_quartiles": quartiles(steps),
+        "compute_time": local, "compute_time_quartiles": quartiles(compute),
         "compress_time": 0.0, "hook_time": statistics.median(s["hook_time"] for s in stats) / h,
         "bytes_per_step": statistics.fmean(s["bytes_sent"] for s in stats) / h,
         "ring_bytes_per_step": statistics.fmean(s["ring_bytes"] for s in stats) / h,
@@ -434,6 +395,12 @@ def _measure_diloco(args: argparse.Namespace, method: str,
         "inner_steps": h, "params": sum(p.numel() for p in model.parameters()),
         "params_full": full_params, "factorized": factorized, "hook": hook,
     }
+
+
+# What an FSDP2 record adds (bench/sharded.py): the two collectives' payloads and this process's
+# sharded parameter, gradient and optimizer bytes.
+SHARDED_COUNTS = ("all_gather_bytes_per_step", "reduce_scatter_bytes_per_step",
+                  "shard_param_bytes", "shard_grad_bytes", "shard_optimizer_bytes")
 
 
 def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -465,6 +432,7 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
                 "bucket_trial_ms",
             )
         },
+        **{k: r0[k] for k in SHARDED_COUNTS if k in r0},  # FSDP2 methods only
         "per_rank": per_rank,
     }
 
@@ -473,6 +441,7 @@ def _record(args: argparse.Namespace, method: str, world: int,
             gathered: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "method": method,
+        "parallel": parallel_for(method),
         "model": args.model,
         "width": args.width,
         "batch_size": args.batch_size,

@@ -335,6 +335,7 @@ class FsdpBytes:
     all_gather: float  # payload: this rank's shards handed to the all-gathers of one step
     reduce_scatter: float  # payload: the unsharded gradients handed to the reduce-scatters
     ring: float  # bytes this process sends under the ring model (both collectives)
+    collectives: int = 0  # all-gathers and reduce-scatters launched per step
 
     @property
     def payload(self) -> float:
@@ -348,10 +349,12 @@ def comm_bytes(model: nn.Module, world_size: int) -> FsdpBytes:
     parameter, in the mixed-precision parameter dtype) and ``p`` processes: the forward
     all-gathers ``S`` from each rank, the backward all-gathers again when the unit reshards after
     forward (every unit but the root by default), and the gradients (``p * S`` bytes in the reduce
-    dtype) are reduce-scattered. Ring model: an all-gather sends ``(p - 1) S``, a reduce-scatter
-    ``(p - 1) / p`` of its input, so one step sends ``(n_gathers + 1) (p - 1) S`` per unit.
+    dtype) are reduce-scattered: ``n_gathers + 1`` collectives per unit. Ring model: an
+    all-gather sends ``(p - 1) S``, a reduce-scatter ``(p - 1) / p`` of its input, so one step
+    sends ``(n_gathers + 1) (p - 1) S`` per unit.
     """
     gather = scatter = ring = 0.0
+    calls = 0
     p = world_size
     for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
         state = unit._get_fsdp_state()  # type: ignore[operator]
@@ -365,7 +368,8 @@ def comm_bytes(model: nn.Module, world_size: int) -> FsdpBytes:
             gather += n * shard_el * size
             scatter += p * shard_el * grad_size
             ring += (n * size + grad_size) * (p - 1) * shard_el
-    return FsdpBytes(gather, scatter, ring)
+            calls += n + 1
+    return FsdpBytes(gather, scatter, ring, calls)
 
 
 def _padded_shard(param: torch.Tensor, p: int) -> int:

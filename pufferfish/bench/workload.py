@@ -1,0 +1,86 @@
+"""What every ``pufferfish bench`` method runs, whatever synchronizes it (DDP, DiLoCo, FSDP2): the
+model, its optimizer and one training step, and the timing helpers of the step workers."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import TrainConfig
+from ..galore import galore_optimizer, galore_ranks
+from ..lowrank import factorize
+from ..lowrank.factorize import count_params
+from ..models import build_at_width
+from ..training.step import Replica, train_step
+
+__all__ = ["LM_MODELS", "PUFFERFISH_RANK_RATIO", "build_model", "make_optimizer", "quartiles",
+           "timed", "train_one_step"]
+
+PUFFERFISH_RANK_RATIO = 0.25  # the paper's ratio, with the model's "paper" preset
+LM_MODELS = ("lstm", "transformer", "llama")  # timed on KJV token batches
+
+
+def build_model(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, int]:
+    """The model (factorized for Pufferfish methods) and its full-rank parameter count; in
+    ``--channels-last`` memory order and compiled when ``args`` say so."""
+
+    torch.manual_seed(args.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
+    if args.model in LM_MODELS:
+        model = build_at_width(args.model, args.width, vocab_size=args.vocab,
+                               max_len=args.seq_len)
+    else:
+        model = build_at_width(args.model, args.width, num_classes=10, in_channels=1,
+                               image_size=28)
+    full = count_params(model)
+    if factorized:
+        factorize(model, rank_ratio=PUFFERFISH_RANK_RATIO, preset="paper")
+    if args.channels_last:  # as training stores them (TrainConfig.channels_last)
+        model.to(memory_format=torch.channels_last)
+    if args.compile:
+        model.compile()
+    return model, full
+
+
+def make_optimizer(args: argparse.Namespace, method: str,
+                   model: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum, or for ``galore`` GaLore's optimizer at the Pufferfish ranks."""
+    if method != "galore":
+        return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+    cfg = TrainConfig(model=args.model, rank_ratio=str(PUFFERFISH_RANK_RATIO), mode="galore",
+                      lr=args.lr, data="kjv" if args.model in LM_MODELS else "fashion-mnist")
+    return galore_optimizer(model, galore_ranks(model, cfg), cfg)
+
+
+def train_one_step(replica: Replica, batch: Any) -> None:
+    """The training loop's step (:func:`pufferfish.training.step.train_step`) on one
+    ``(input, target)`` batch with cross-entropy: no AMP, clipping or non-finite vote."""
+    x, y = batch
+
+    def loss() -> torch.Tensor:
+        out = replica.wrapped(x)
+        logits = out[0] if isinstance(out, tuple) else out  # language models: (logits, hidden)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    train_step(replica, loss)
+
+
+def timed(fn: Callable[[], None]) -> float:
+    """Seconds ``fn()`` took."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
+    """First quartile, median and third quartile of some step times."""
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[1], q[2]
