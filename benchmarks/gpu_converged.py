@@ -47,7 +47,7 @@ CONVNET_JOBS = [
     ("resnet18-lowrank-s1", RESNET, ["--mode", "lowrank", "--seed", "1"], "resnet18"),
     ("vgg19-full-s1", VGG, ["--mode", "full", "--seed", "1"], "vgg19"),
     ("vgg19-puff-s1", VGG, ["--mode", "pufferfish", "--seed", "1"], "vgg19"),
-    # Session 10: PowerSGD at the paper's width, Pufferfish with fp16 gradients (the two compose),
+    # The second GPU loan (2026-12-04): PowerSGD at the paper's width, Pufferfish with fp16 gradients (the two compose),
     # auto's second seed.
     ("resnet18-psgd-s0", RESNET, ["--mode", "full", "--seed", "0", "--comm", "powersgd"], "resnet18"),
     ("resnet18-pufffp16-s0", RESNET, ["--mode", "pufferfish", "--seed", "0", "--comm", "fp16"],
