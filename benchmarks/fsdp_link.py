@@ -17,7 +17,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from pufferfish.bench.netns import EmulatedLink, parse_bandwidth, run_workers
+from pufferfish.bench.bandwidth import parse_bandwidth
+from pufferfish.bench.netns import EmulatedLink
+from pufferfish.bench.workers import run_workers
 
 
 def main(out: Path, bandwidth: str, flags: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""Tests for the emulated-link helpers in ``pufferfish.bench.netns``.
+"""Tests for the emulated links and their helpers (``pufferfish.bench``: bandwidth, netns,
+workers, probe).
 
 The namespace tests need root + iproute2; elsewhere they are skipped with the reason
 ``netns_available()`` gives, never faked.
@@ -12,16 +13,10 @@ import sys
 
 import pytest
 
-from pufferfish.bench.netns import (
-    EmulatedLink,
-    WorkerTimeout,
-    cleanup_stale,
-    format_bps,
-    netns_available,
-    parse_bandwidth,
-    run_probe,
-    run_workers,
-)
+from pufferfish.bench.bandwidth import format_bps, parse_bandwidth
+from pufferfish.bench.netns import EmulatedLink, cleanup_stale, netns_available
+from pufferfish.bench.probe import run_probe
+from pufferfish.bench.workers import WorkerTimeout, run_workers
 
 MBIT = 10**6
 

@@ -1,4 +1,4 @@
-"""Worker side of :func:`pufferfish.bench.netns.run_probe`.
+"""Worker side of :func:`pufferfish.bench.probe.run_probe`.
 
 Run as a plain script (``python _probe.py``) rather than ``-m`` so the worker only
 imports torch, not the whole pufferfish package: startup time counts against the

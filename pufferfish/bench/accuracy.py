@@ -32,7 +32,7 @@ from ..config import ConfigError, load_config
 from ..formatting import markdown_table
 from ..training.metrics import read_metrics
 from . import projection as proj
-from .netns import format_bps
+from .bandwidth import format_bps
 from .step import (
     BENCH_METHODS,
     PUFFERFISH_RANK_RATIO,

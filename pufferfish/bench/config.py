@@ -16,7 +16,7 @@ from ..distributed.buckets import parse_bucket_mb
 from ..distributed.hooks import with_option_fields
 from . import accuracy as acc
 from . import projection as proj
-from .netns import parse_bandwidth
+from .bandwidth import parse_bandwidth
 from .step import (
     BENCH_METHODS,
     FSDP_METHODS,

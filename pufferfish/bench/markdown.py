@@ -14,8 +14,8 @@ import torch
 from ..formatting import markdown_table
 from . import accuracy as acc
 from . import projection as proj
+from .bandwidth import format_bps
 from .config import BenchConfig, results_path
-from .netns import format_bps
 from .rounds import spread
 from .step import LM_MODELS
 

@@ -14,7 +14,8 @@ instead of faking one:
 
 Only addresses inside namespaces we create ourselves are used (a random
 ``10.213.X.0/30``), and every namespace is deleted again on normal exit, on error, on
-Ctrl-C (``with`` unwinding), at interpreter exit (``atexit``) and on SIGTERM.
+Ctrl-C (``with`` unwinding), at interpreter exit (``atexit``) and on SIGTERM
+(:mod:`.cleanup`).
 Namespaces are named ``pf-<pid>-<random>-<i>`` so concurrent runs never collide and
 :func:`cleanup_stale` can tell which ones were orphaned by a dead process.
 
@@ -24,106 +25,32 @@ ranks, and a bridge namespace for more workers would add complexity nobody uses 
 Requires root plus ``ip``/``tc`` (Debian package ``iproute2``);
 :func:`netns_available` reports why emulation cannot run so callers can skip the
 emulated conditions with a clear message rather than silently measuring loopback.
+Ranks are launched on a link by :mod:`.workers`; :mod:`.probe` measures what it delivers.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
-import json
 import os
 import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import weakref
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from types import FrameType, TracebackType
-from typing import IO
+from collections.abc import Callable, Sequence
+from types import TracebackType
 
-__all__ = [
-    "EmulatedLink",
-    "ProbeResult",
-    "WorkerTimeout",
-    "cleanup_stale",
-    "format_bps",
-    "free_port",
-    "measure_throughput",
-    "netem_available",
-    "netns_available",
-    "parse_bandwidth",
-    "run_probe",
-    "run_workers",
-]
+from .bandwidth import format_bps
+from .cleanup import install_handlers, live_links
+
+__all__ = ["EmulatedLink", "cleanup_stale", "netem_available", "netns_available"]
 
 NS_PREFIX = "pf-"
 _NS_RE = re.compile(r"^pf-(\d+)-([0-9a-f]+)-(\w+)$")
-_BW_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(k|m|g|t)?(bit|bps)\s*$", re.IGNORECASE)
-_BW_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BW_FORM = (
-    "'loopback' or <number><unit> with unit in bit/kbit/mbit/gbit/tbit (e.g. '100mbit', '1gbit')"
-)
-
-# Fixed port for rank 0 inside a fresh namespace: each namespace has its own port
-# space, so nothing else can be listening there.
-_NETNS_MASTER_PORT = 29500
-
-
-# ---------------------------------------------------------------------------
-# bandwidth strings
-# ---------------------------------------------------------------------------
-
-
-def parse_bandwidth(text: str) -> int | None:
-    """Parse a link rate as used on the command line into bits per second.
-
-    ``"loopback"`` (aliases ``lo``/``none``/``unlimited``) means "no emulation" and
-    returns ``None``; ``"100mbit"``,
-    ``"1gbit"``, ``"500kbit"``, ``"10gbit"`` (tc's decimal units, case-insensitive)
-    return integers.  ``"100mbps"`` is rejected on purpose: tc reads ``bps`` as
-    *bytes* per second, so accepting it either way would invite an 8x mistake.
-    """
-    if not isinstance(text, str):
-        raise ValueError(f"invalid bandwidth {text!r}: expected {_BW_FORM}")
-    s = text.strip().lower()
-    if s in ("loopback", "lo", "none", "unlimited"):
-        return None
-    m = _BW_RE.match(s)
-    if m is not None and m.group(3).lower() == "bps":
-        raise ValueError(
-            f"invalid bandwidth {text!r}: 'bps' is ambiguous (tc reads it as bytes/s); "
-            f"expected {_BW_FORM}"
-        )
-    if m is None:
-        raise ValueError(f"invalid bandwidth {text!r}: expected {_BW_FORM}")
-    value = float(m.group(1)) * _BW_UNITS[(m.group(2) or "").lower()]
-    bps = round(value)
-    if bps < 8_000:
-        # tbf cannot shape meaningfully below ~1 kB/s and gloo would time out anyway.
-        raise ValueError(f"invalid bandwidth {text!r}: rate must be at least 8kbit ({_BW_FORM})")
-    return bps
-
-
-def format_bps(bps: float) -> str:
-    """Human-readable bits/s (``94.1 Mbit/s``) for benchmark output."""
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:.1f} {unit}"
-    return f"{bps:.0f} bit/s"
-
-
-def _tc_rate(bps: int) -> str:
-    """Rate in tc syntax; plain ``<n>bit`` is exact and unambiguous."""
-    return f"{bps}bit"
 
 
 # ---------------------------------------------------------------------------
@@ -260,57 +187,13 @@ def netem_available() -> str | None:
 
 
 # ---------------------------------------------------------------------------
-# process-wide cleanup registry (atexit + SIGTERM)
-# ---------------------------------------------------------------------------
-
-_live_links: weakref.WeakSet[EmulatedLink] = weakref.WeakSet()
-_registry_lock = threading.Lock()
-_handlers_installed = False
-_prev_sigterm: Callable[[int, FrameType | None], object] | int | None = None
-
-
-_live_procs: set[subprocess.Popen[bytes]] = set()
-
-
-def _cleanup_all() -> None:
-    """Kill running workers, then delete every open link's namespaces."""
-    _kill_running(list(_live_procs))
-    for link in list(_live_links):
-        with contextlib.suppress(Exception):
-            link.close()
-
-
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    """Tear down our namespaces, then behave as the previous SIGTERM handler would."""
-    _cleanup_all()
-    prev = _prev_sigterm
-    if callable(prev):
-        prev(signum, frame)
-        return
-    if prev == signal.SIG_IGN:
-        return
-    # Default action: die by SIGTERM, so the exit status still says "terminated".
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _install_handlers() -> None:
-    global _handlers_installed, _prev_sigterm
-    with _registry_lock:
-        if _handlers_installed:
-            return
-        atexit.register(_cleanup_all)
-        # signal.signal only works from the main thread; elsewhere atexit + `with`
-        # still cover normal exit, errors and KeyboardInterrupt.
-        if threading.current_thread() is threading.main_thread():
-            _prev_sigterm = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, _on_sigterm)
-        _handlers_installed = True
-
-
-# ---------------------------------------------------------------------------
 # the link
 # ---------------------------------------------------------------------------
+
+
+def _tc_rate(bps: int) -> str:
+    """Rate in tc syntax; plain ``<n>bit`` is exact and unambiguous."""
+    return f"{bps}bit"
 
 
 def _tbf_params(rate_bps: int, delay_ms: float) -> tuple[int, float]:
@@ -389,8 +272,8 @@ class EmulatedLink:
         reason = netem_available() if self.delay_ms > 0 else netns_available()
         if reason is not None:
             raise RuntimeError(f"cannot emulate link: {reason}")
-        _install_handlers()
-        _live_links.add(self)
+        install_handlers()
+        live_links.add(self)
         try:
             self._setup()
         except BaseException:
@@ -447,7 +330,7 @@ class EmulatedLink:
         for name in created:
             with contextlib.suppress(Exception):
                 _delete_netns(name)
-        _live_links.discard(self)
+        live_links.discard(self)
 
     @property
     def closed(self) -> bool:
@@ -475,310 +358,3 @@ class EmulatedLink:
             f"namespaces={self.namespaces}, closed={self._closed})"
         )
 
-
-# ---------------------------------------------------------------------------
-# launching workers
-# ---------------------------------------------------------------------------
-
-
-class WorkerTimeout(subprocess.TimeoutExpired):
-    """All workers were killed because they did not finish within ``timeout``.
-
-    ``results`` holds the (killed) workers' CompletedProcess objects with whatever
-    they printed, which is usually what you need to see why they hung.
-    """
-
-    def __init__(
-        self, cmd: list[str], timeout: float, results: list[subprocess.CompletedProcess[str]]
-    ) -> None:
-        tail = "\n".join(f"[rank {r}] {p.stderr[-2000:]}" for r, p in enumerate(results))
-        super().__init__(cmd, timeout, output=None, stderr=tail)
-        self.results = results
-
-    def __str__(self) -> str:
-        return f"{super().__str__()}\n{self.stderr}"
-
-
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 (for the loopback condition)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _kill_running(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    """SIGKILL the process group of every worker that has not been reaped yet.
-
-    Each worker leads its own session, so this reaches its children (e.g. data loader
-    workers) but nothing else; already-reaped workers are skipped so a recycled pid
-    can never be hit.
-    """
-    for proc in procs:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-
-
-def run_workers(
-    link: EmulatedLink | None,
-    argv_for_rank: Callable[[int], list[str]],
-    master_port: int | None = None,
-    env: Mapping[str, str] | None = None,
-    timeout: float = 300.0,
-    world_size: int = 2,
-    fail_fast_grace: float = 5.0,
-) -> list[subprocess.CompletedProcess[str]]:
-    """Run one process per rank, each in its namespace, wired up for torch.distributed.
-
-    Every rank gets ``MASTER_ADDR`` (endpoint 0), ``MASTER_PORT``, ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK=0`` and ``GLOO_SOCKET_IFNAME``.  With ``link=None``
-    the same thing runs on 127.0.0.1 (``GLOO_SOCKET_IFNAME=lo``) so the benchmark has a
-    single code path for loopback and emulated conditions.
-
-    If a rank exits non-zero the others would block in a collective until gloo's
-    30-minute timeout, so they are killed after ``fail_fast_grace`` seconds.  On
-    ``timeout`` all ranks are killed and :class:`WorkerTimeout` is raised; on
-    KeyboardInterrupt all ranks are killed and the interrupt propagates.  Returns one
-    CompletedProcess per rank (stdout/stderr captured as text); the caller checks
-    ``returncode``.
-    """
-    master_addr, port, world_size = _rendezvous(link, master_port, world_size)
-    _install_handlers()  # SIGTERM/atexit also kill loopback workers
-    workers: list[_Worker] = []
-    with contextlib.ExitStack() as files:
-        try:
-            for rank in range(world_size):
-                argv = _worker_argv(rank, argv_for_rank, link)
-                wenv = _worker_env(rank, world_size, master_addr, port, link, env)
-                # Temp files, not pipes: a chatty worker can never block on a full pipe.
-                out = files.enter_context(tempfile.TemporaryFile())
-                err = files.enter_context(tempfile.TemporaryFile())
-                workers.append(_start_worker(argv, wenv, out, err))
-            timed_out = _wait_for_exit([w.proc for w in workers], timeout, fail_fast_grace)
-        except BaseException:  # KeyboardInterrupt included: never leave ranks behind
-            _kill_and_reap([w.proc for w in workers])
-            raise
-        finally:
-            _live_procs.difference_update([w.proc for w in workers])
-        results = [w.result() for w in workers]
-    if timed_out:
-        raise WorkerTimeout(workers[0].argv, timeout, results)
-    return results
-
-
-def _rendezvous(
-    link: EmulatedLink | None, master_port: int | None, world_size: int
-) -> tuple[str, int, int]:
-    """``(MASTER_ADDR, MASTER_PORT, world size)``: the link's endpoint 0, or loopback."""
-    if link is None:
-        port = master_port if master_port is not None else free_port()
-        return "127.0.0.1", port, world_size
-    if link.closed:
-        raise RuntimeError("EmulatedLink is closed")
-    port = master_port if master_port is not None else _NETNS_MASTER_PORT
-    return link.addresses[0], port, link.n_endpoints
-
-
-def _worker_argv(
-    rank: int, argv_for_rank: Callable[[int], list[str]], link: EmulatedLink | None
-) -> list[str]:
-    """The rank's command, wrapped to run inside its namespace when there is a link."""
-    argv = list(argv_for_rank(rank))
-    return link.command(rank, argv) if link is not None else argv
-
-
-def _worker_env(
-    rank: int,
-    world_size: int,
-    master_addr: str,
-    port: int,
-    link: EmulatedLink | None,
-    env: Mapping[str, str] | None,
-) -> dict[str, str]:
-    """This environment, then ``env``, then the torch.distributed variables and interface."""
-    wenv = dict(os.environ)
-    if env:
-        wenv.update(env)
-    wenv.update(
-        {
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1",
-        }
-    )
-    if link is not None:
-        wenv.update(link.env(rank))
-    else:
-        wenv.update({"GLOO_SOCKET_IFNAME": "lo", "TP_SOCKET_IFNAME": "lo"})
-    return wenv
-
-
-@dataclass
-class _Worker:
-    """One launched rank: its command, its process and the files holding its output."""
-
-    argv: list[str]
-    proc: subprocess.Popen[bytes]
-    out: IO[bytes]
-    err: IO[bytes]
-
-    def result(self) -> subprocess.CompletedProcess[str]:
-        """The finished (or killed) rank's exit code and output, decoded as text."""
-        self.out.seek(0)
-        self.err.seek(0)
-        stdout = self.out.read().decode(errors="replace")
-        stderr = self.err.read().decode(errors="replace")
-        return subprocess.CompletedProcess(self.argv, int(self.proc.returncode), stdout, stderr)
-
-
-def _start_worker(argv: list[str], wenv: dict[str, str], out: IO[bytes], err: IO[bytes]) -> _Worker:
-    """Launch one rank in its own session (so it can be killed with its children)."""
-    proc = subprocess.Popen(
-        argv, env=wenv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True
-    )
-    _live_procs.add(proc)
-    return _Worker(argv, proc, out, err)
-
-
-def _wait_for_exit(
-    procs: Sequence[subprocess.Popen[bytes]], timeout: float, fail_fast_grace: float
-) -> bool:
-    """Wait until every rank has exited; return whether ``timeout`` ran out first.
-
-    Once a rank has failed, the rest are killed after ``fail_fast_grace`` seconds; at the
-    deadline all are killed and reaped.
-    """
-    deadline = time.monotonic() + timeout
-    failed_at: float | None = None
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            return False
-        now = time.monotonic()
-        if failed_at is None and any(c not in (None, 0) for c in codes):
-            failed_at = now
-        if failed_at is not None and now - failed_at > fail_fast_grace:
-            _kill_running(procs)
-        if now > deadline:
-            _kill_and_reap(procs, timeout=None)
-            return True
-        time.sleep(0.02)
-
-
-def _kill_and_reap(procs: Sequence[subprocess.Popen[bytes]], timeout: float | None = 10) -> None:
-    """Kill every running rank and wait for it (``timeout`` seconds each, if not ``None``)."""
-    _kill_running(procs)
-    for p in procs:
-        with contextlib.suppress(Exception):
-            p.wait(timeout=timeout)
-
-
-# ---------------------------------------------------------------------------
-# self-check: measure what the link actually delivers
-# ---------------------------------------------------------------------------
-
-_PROBE = Path(__file__).with_name("_probe.py")
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """Outcome of one all-reduce probe (see :func:`run_probe`)."""
-
-    nbytes: int
-    seconds: float
-    bus_bps: float
-    correct: bool
-    world_size: int
-
-
-def run_probe(
-    link: EmulatedLink | None,
-    nbytes: int = 25_000_000,
-    iters: int = 1,
-    timeout: float = 120.0,
-) -> ProbeResult:
-    """Time a gloo all_reduce of ``nbytes`` across the link and verify its result.
-
-    Bus bandwidth follows the nccl-tests convention, ``busbw = size/time *
-    2(n-1)/n``: it is the per-rank, per-direction link rate a ring all-reduce
-    achieves, so it is directly comparable with the emulated rate.
-    """
-    results = run_workers(
-        link,
-        lambda rank: [sys.executable, str(_PROBE), "--nbytes", str(nbytes), "--iters", str(iters)],
-        timeout=timeout,
-    )
-    bad = [(r, p) for r, p in enumerate(results) if p.returncode != 0]
-    if bad:
-        msg = "; ".join(
-            f"rank {r} exited {p.returncode}: {p.stderr.strip()[-1500:]}" for r, p in bad
-        )
-        raise RuntimeError(f"all-reduce probe failed: {msg}")
-    reports = []
-    for r, p in enumerate(results):
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-        if not lines:
-            raise RuntimeError(f"all-reduce probe rank {r} printed no result: {p.stdout!r}")
-        reports.append(json.loads(lines[-1]))
-    world = len(results)
-    seconds = max(float(rep["seconds"]) for rep in reports)
-    size = int(reports[0]["nbytes"])
-    bus_bps = size * 8 * iters / seconds * 2 * (world - 1) / world
-    correct = all(bool(rep["correct"]) for rep in reports)
-    return ProbeResult(
-        nbytes=size, seconds=seconds, bus_bps=bus_bps, correct=correct, world_size=world
-    )
-
-
-def measure_throughput(link: EmulatedLink | None, nbytes: int = 25_000_000) -> float:
-    """Achieved all-reduce bus bandwidth (bits/s) over ``link`` (``None`` = loopback).
-
-    Lets the benchmark print "emulated 100mbit, measured 94 Mbit/s" so that a
-    misconfigured (or unshaped) link is visible instead of silently skewing results.
-    Raises if the all-reduce result is wrong.
-    """
-    res = run_probe(link, nbytes=nbytes)
-    if not res.correct:
-        raise RuntimeError("all-reduce probe returned a wrong result")
-    return res.bus_bps
-
-
-def _main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pufferfish.bench.netns 100mbit 1gbit``: measure emulated links."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=_main.__doc__)
-    ap.add_argument("rates", nargs="*", default=["100mbit", "1gbit"])
-    ap.add_argument("--nbytes", type=int, default=25_000_000)
-    ap.add_argument("--delay-ms", type=float, default=0.0)
-    args = ap.parse_args(argv)
-    stale = cleanup_stale()
-    if stale:
-        print(f"removed stale namespaces: {', '.join(stale)}")
-    for text in args.rates:
-        rate = parse_bandwidth(text)
-        if rate is None:
-            res = run_probe(None, nbytes=args.nbytes)
-            print(
-                f"loopback: measured {format_bps(res.bus_bps)} all-reduce bus bandwidth "
-                f"({res.seconds:.3f} s, correct={res.correct})"
-            )
-            continue
-        reason = netem_available() if args.delay_ms > 0 else netns_available()
-        if reason is not None:
-            print(f"{text}: skipped ({reason})")
-            continue
-        with EmulatedLink(rate, delay_ms=args.delay_ms) as link:
-            res = run_probe(link, nbytes=args.nbytes)
-        print(
-            f"emulated {text}: measured {format_bps(res.bus_bps)} all-reduce bus bandwidth "
-            f"({res.bus_bps / rate:.0%} of rate, {res.seconds:.3f} s, correct={res.correct})"
-        )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())

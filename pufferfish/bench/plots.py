@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from . import projection as proj
-from .netns import parse_bandwidth
+from .bandwidth import parse_bandwidth
 
 __all__ = ["plot_results"]
 

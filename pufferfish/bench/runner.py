@@ -65,6 +65,7 @@ from ..training.metrics import read_metrics
 from ..training.report import compare_runs
 from . import accuracy as acc
 from .accuracy import time_to_accuracy
+from .bandwidth import format_bps, parse_bandwidth
 from .config import (
     DEFAULT_METHODS,
     STEP_TIMEOUT,
@@ -75,21 +76,14 @@ from .config import (
     results_path,
 )
 from .markdown import results_markdown, train_markdown
-from .netns import (
-    EmulatedLink,
-    WorkerTimeout,
-    cleanup_stale,
-    format_bps,
-    measure_throughput,
-    netns_available,
-    parse_bandwidth,
-    run_workers,
-)
+from .netns import EmulatedLink, cleanup_stale, netns_available
 from .plots import plot_results
+from .probe import measure_throughput
 from .progress import TrainingProgress
 from .results import project, time_to_accuracy_result, train_summary
 from .rounds import compute_check, round_plan, summarize
 from .step import HOOK_OPTIONS, hook_for, parallel_for, sync_for
+from .workers import WorkerTimeout, run_workers
 
 __all__ = [
     "DEFAULT_METHODS",

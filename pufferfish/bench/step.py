@@ -1,7 +1,7 @@
 """Worker of ``pufferfish bench``: time DDP training steps of some methods on one link.
 
 Started once per rank by :mod:`pufferfish.bench.runner` (through
-:func:`pufferfish.bench.netns.run_workers`, which sets ``RANK``/``WORLD_SIZE``/
+:func:`pufferfish.bench.workers.run_workers`, which sets ``RANK``/``WORLD_SIZE``/
 ``MASTER_ADDR``/``MASTER_PORT`` and, on an emulated link, runs us inside a network
 namespace). The ``--methods`` are measured one after the other in the order given, each
 with a fresh model, DDP wrapper, hook and optimizer but the same minibatches; one worker
