@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from pufferfish.lowrank import LowRankLSTM
-from pufferfish.lowrank.factorize import count_macs, format_table
+from pufferfish.lowrank.counting import count_macs
+from pufferfish.lowrank.report import format_table
 from pufferfish.lowrank.svd import rank_from_ratio
 
 

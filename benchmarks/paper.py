@@ -27,7 +27,7 @@ import torch
 
 from pufferfish import count_macs, factorize
 from pufferfish.formatting import markdown_table
-from pufferfish.lowrank.factorize import count_params
+from pufferfish.lowrank.counting import count_params
 from pufferfish.models import build_at_width
 from pufferfish.training.metrics import quality_key, read_metrics
 from pufferfish.training.report import compare_runs

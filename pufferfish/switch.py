@@ -41,8 +41,9 @@ from .distributed import fsdp
 from .distributed.env import broadcast_object
 from .lowrank import FactorizationReport, LowRankModule, factorize
 from .lowrank.base import low_rank_class_for_type
-from .lowrank.factorize import factorizable_modules, format_table
+from .lowrank.factorize import factorizable_modules
 from .lowrank.presets import presets_of
+from .lowrank.report import format_table
 
 __all__ = ["FactorizationPlan", "Switch", "SwitchPolicy", "projected_momentum", "projected_state"]
 

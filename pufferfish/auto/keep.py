@@ -17,7 +17,8 @@ from typing import Any
 from torch import nn
 
 from ..lowrank.base import low_rank_class_for
-from ..lowrank.factorize import count_params, factorizable_modules
+from ..lowrank.counting import count_params
+from ..lowrank.factorize import factorizable_modules
 from ..lowrank.selection import ModuleIndex, resolve_rank
 from . import timing
 from .kernels import kernel_variants

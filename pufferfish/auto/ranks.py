@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ..lowrank.base import low_rank_class_for
-from ..lowrank.factorize import count_params, factorizable_modules
+from ..lowrank.counting import count_params
+from ..lowrank.factorize import factorizable_modules
 from ..lowrank.selection import as_patterns, first_match
 from ..lowrank.svd import rank_from_ratio
 from .stable_rank import StableRankTracker, layer_matrix, layer_stable_rank

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..lowrank.factorize import call_with_example
+from ..lowrank.counting import call_with_example
 
 __all__ = ["capture_inputs", "input_shapes", "time_steps"]
 

@@ -45,7 +45,7 @@ from .. import models
 from ..config import ConfigError, TrainConfig, dump_toml
 from ..formatting import markdown_table
 from ..lowrank import factorize
-from ..lowrank.factorize import count_params
+from ..lowrank.counting import count_params
 from ..outputs import claim_outputs
 from ..training import checkpoint as ckpt
 from ..training.loop import train

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 from ..config import ConfigError, TrainConfig
-from ..lowrank.factorize import count_params
+from ..lowrank.counting import count_params
 from ..lowrank.selection import ModuleIndex
 from ..method import FullRankMethod
 from ..training.methods.base import Change

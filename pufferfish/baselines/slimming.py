@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..config import ConfigError, TrainConfig
-from ..lowrank.factorize import count_params
+from ..lowrank.counting import count_params
 from ..method import FullRankMethod
 from ..training.methods.base import Change
 from .common import output_layer_name

@@ -16,7 +16,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..galore import galore_optimizer, galore_ranks
 from ..lowrank import factorize
-from ..lowrank.factorize import count_params
+from ..lowrank.counting import count_params
 from ..models import build_at_width
 from ..training.step import Replica, train_step
 

@@ -2,18 +2,13 @@
 
 from .attention import LowRankMultiheadAttention
 from .base import LowRankModule, low_rank_class_for, register_low_rank
-from .factorize import (
-    FactorizationReport,
-    LayerDecision,
-    call_with_example,
-    count_macs,
-    factorize,
-    load_factorized,
-    merge,
-)
+from .counting import call_with_example, count_macs
+from .factorize import factorize
 from .layers import LowRankConv2d, LowRankLinear
 from .lstm import LowRankLSTM
 from .presets import presets_of, register_presets
+from .report import FactorizationReport, LayerDecision
+from .roundtrip import load_factorized, merge
 from .svd import rank_from_ratio, saves_parameters, svd_split
 
 __all__ = [

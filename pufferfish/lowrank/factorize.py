@@ -38,156 +38,33 @@ every replacement is built before the first is swapped in, and any error (includ
 after-MACs forward pass) puts every original module back before it is raised. A model whose root
 is itself a supported layer is an error (there is no parent to swap it in); a model where nothing
 was factorized gets a warning that says why.
+
+Around the walk: the report (:mod:`.report`), the counts (:mod:`.counting`), the all-or-nothing
+swap (:mod:`.swap`) and the way back, ``merge`` and ``load_factorized`` (:mod:`.roundtrip`).
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from .base import LowRankModule, low_rank_class_for
+from .counting import count_macs, count_params
 from .presets import presets_of
+from .report import FactorizationReport, LayerDecision
 from .selection import ModuleIndex, as_patterns, first_match, resolve_rank
 from .svd import rank_from_ratio
+from .swap import carry_over, swapped
 
-__all__ = [
-    "FactorizationReport",
-    "LayerDecision",
-    "call_with_example",
-    "count_macs",
-    "factorizable_modules",
-    "factorize",
-    "load_factorized",
-    "merge",
-]
+__all__ = ["factorizable_modules", "factorize"]
 
 _HINT = "see pufferfish.register_low_rank"
-
-
-@dataclass
-class LayerDecision:
-    """What ``factorize`` did with one module, and why."""
-
-    name: str
-    kind: str
-    shape: str
-    factorized: bool
-    reason: str
-    rank: int | None = None
-    full_rank: int | None = None
-    params_before: int = 0
-    params_after: int = 0
-    aliases: list[str] = field(default_factory=list)
-
-
-@dataclass
-class FactorizationReport:
-    """Per-module decisions plus whole-model parameter (and, given an input, MAC) counts."""
-
-    layers: list[LayerDecision]
-    params_before: int
-    params_after: int
-    macs_before: int | None = None
-    macs_after: int | None = None
-
-    @property
-    def factorized(self) -> list[LayerDecision]:
-        return [d for d in self.layers if d.factorized]
-
-    @property
-    def ranks(self) -> dict[str, int]:
-        """Qualified name -> rank of every factorized module (what a checkpoint must record)."""
-        return {d.name: d.rank for d in self.layers if d.factorized and d.rank is not None}
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def __str__(self) -> str:
-        rows = [("module", "type", "shape", "rank", "params", "decision")]
-        for d in self.layers:
-            rank = f"{d.rank}/{d.full_rank}" if d.factorized else "-"
-            params = (f"{d.params_before:,} -> {d.params_after:,}" if d.factorized
-                      else f"{d.params_before:,}")
-            name = d.name + (f" (= {', '.join(d.aliases)})" if d.aliases else "")
-            rows.append((name, d.kind, d.shape, rank, params, d.reason))
-        lines = format_table(rows)
-        ratio = self.params_before / max(1, self.params_after)
-        lines.append(f"parameters: {self.params_before:,} -> {self.params_after:,} ({ratio:.2f}x fewer)")
-        if self.macs_before is not None and self.macs_after is not None:
-            ratio = self.macs_before / max(1, self.macs_after)
-            lines.append(f"MACs:       {self.macs_before:,} -> {self.macs_after:,} ({ratio:.2f}x fewer)")
-        return "\n".join(lines)
-
-
-def format_table(rows: list[tuple[str, ...]], indent: str = "") -> list[str]:
-    """Aligned plain-text columns, a dashed rule under the header row (the first)."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, indent + "  ".join("-" * w for w in widths))
-    return lines
-
-
-def count_params(model: nn.Module) -> int:
-    """Parameters of ``model``, each shared (tied) tensor counted once."""
-    return sum(p.numel() for p in model.parameters())
-
-
-def count_macs(model: nn.Module, example_input: Any) -> int:
-    """Multiply-accumulates of one forward pass (``FlopCounterMode`` FLOPs / 2), in eval mode.
-
-    Eval mode so that counting does not update BatchNorm statistics; the training flags of every
-    submodule are restored afterwards. What the flop counter cannot see is the layer classes'
-    business (:mod:`pufferfish.lowrank.base`): each registered dense module adds its
-    ``uncounted_macs`` (``nn.LSTM``'s fused kernel, counted analytically), and every layer's
-    ``counting`` context is entered around the pass (torch's fused attention fast path is switched
-    off, so attention counts as its matmuls, like training runs it; a ``LowRankLSTM`` runs
-    its loop kernel, the factorized arithmetic, whichever kernel it trains with).
-    """
-    uncounted = [0]
-
-    def add_uncounted(cls: type[LowRankModule], module: nn.Module, args: tuple, output: Any
-                      ) -> None:
-        uncounted[0] += cls.uncounted_macs(module, args, output)
-
-    with ExitStack() as stack:
-        for module in model.modules():
-            cls = _layer_class(module)
-            if cls is None:
-                continue
-            stack.enter_context(cls.counting(module))
-            if not isinstance(module, LowRankModule):
-                hook = module.register_forward_hook(functools.partial(add_uncounted, cls))
-                stack.callback(hook.remove)
-        stack.enter_context(_eval_mode(model))
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            call_with_example(model, example_input)
-    return counter.get_total_flops() // 2 + uncounted[0]
-
-
-@contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """``model`` in eval mode; every submodule's training flag restored on exit."""
-    flags = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in flags:
-            m.training = training
-
-
-def _layer_class(module: nn.Module) -> type[LowRankModule] | None:
-    """The low-rank class that knows ``module``'s type: its own, or the one registered for it."""
-    return type(module) if isinstance(module, LowRankModule) else low_rank_class_for(module)
 
 
 def factorize(
@@ -233,7 +110,7 @@ def factorize(
     index = ModuleIndex(model)
     index.check([*keep, *(include or []), *overrides])
     already_low_rank = _warn_if_already_low_rank(model, index)
-    candidates, unsupported = _candidates(model)
+    candidates, unsupported = find_candidates(model)
     order = candidates if example_input is None else _forward_order(model, candidates,
                                                                      example_input)
     plan = _Plan(keep=keep, include=include, overrides=overrides,
@@ -252,7 +129,7 @@ def factorize(
             replacements.append((module, low, index.names(module)))
     decisions += [_unsupported_decision(m, index.names(m)) for m in unsupported]
 
-    with _swapped(model, replacements):
+    with swapped(model, replacements):
         macs_after = count_macs(model, example_input) if example_input is not None else None
     report = FactorizationReport(decisions, params_before, count_params(model), macs_before,
                                  macs_after)
@@ -366,59 +243,6 @@ def _unsupported_decision(module: nn.Module, names: list[str]) -> LayerDecision:
                          params_before=count_params(module))
 
 
-def call_with_example(model: nn.Module, example_input: Any) -> Any:
-    """Call ``model`` on ``example_input`` as every pufferfish function does.
-
-    A ``tuple`` is the positional arguments, a mapping (a ``dict``, a Hugging Face
-    ``BatchEncoding``) the keyword arguments, anything else the single argument.
-    """
-    if isinstance(example_input, tuple):
-        return model(*example_input)
-    if isinstance(example_input, Mapping):
-        return model(**example_input)
-    return model(example_input)
-
-
-def carry_over(old: nn.Module, new: nn.Module) -> None:
-    """Give ``new``, which replaces ``old``, what ``old`` carried besides its weights.
-
-    Train/eval mode; the memory format (channels-last 4-D weights give channels-last factors);
-    ``requires_grad``: the matrices (factors) of ``new`` are trainable iff one
-    of ``old``'s ≥2-D parameters is, its vectors (biases, BN) iff one of ``old``'s vectors is (its
-    matrices' flag when it has none); forward and backward hooks: the hook dictionaries are taken
-    over, so a handle from ``old.register_forward_hook`` still removes the hook. State-dict hooks
-    are not (they depend on parameter names): a warning names the module type.
-    """
-    new.train(old.training)
-    if _channels_last(old):
-        new.to(memory_format=torch.channels_last)
-    matrices = [p.requires_grad for p in old.parameters() if p.dim() >= 2]
-    vectors = [p.requires_grad for p in old.parameters() if p.dim() < 2]
-    train_matrices = any(matrices) if matrices else True
-    train_vectors = any(vectors) if vectors else train_matrices
-    for p in new.parameters():
-        p.requires_grad_(train_matrices if p.dim() >= 2 else train_vectors)
-    for attr in _HOOK_DICTS:
-        setattr(new, attr, getattr(old, attr))
-    if any(getattr(old, attr) for attr in _STATE_DICT_HOOKS):
-        warnings.warn(f"the state_dict hooks of {type(old).__name__} are not carried over to its "
-                      f"{type(new).__name__} replacement", stacklevel=3)
-
-
-def _channels_last(module: nn.Module) -> bool:
-    """Whether a 4-D parameter of ``module`` is stored channels-last (and not also contiguous:
-    a weight with one input channel or a 1x1 kernel is both, and says nothing)."""
-    return any(p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last)
-               and not p.is_contiguous() for p in module.parameters())
-
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
-               "_backward_pre_hooks", "_is_full_backward_hook")
-_STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-                     "_load_state_dict_post_hooks")
-
-
 def factorizable_modules(model: nn.Module, keep: str | Iterable[str] = ()
                          ) -> dict[str, nn.Module]:
     """Qualified name -> module for every module ``factorize`` could replace, in registration order.
@@ -432,7 +256,7 @@ def factorizable_modules(model: nn.Module, keep: str | Iterable[str] = ()
     keep = as_patterns(keep)
     index = ModuleIndex(model)
     index.check(keep)
-    candidates, _ = _candidates(model)
+    candidates, _ = find_candidates(model)
     supported: dict[str, nn.Module] = {}
     for module in candidates:
         cls = low_rank_class_for(module)
@@ -440,103 +264,6 @@ def factorizable_modules(model: nn.Module, keep: str | Iterable[str] = ()
                 and index.first_match(module, keep) is None):
             supported[index.name(module)] = module
     return supported
-
-
-def merge(model: nn.Module) -> nn.Module:
-    """Turn every low-rank module of ``model`` back into its dense equivalent, in place.
-
-    Returns ``model`` (or the dense module when ``model`` itself is low-rank).
-    """
-    if isinstance(model, LowRankModule):
-        dense = model.to_dense()
-        carry_over(model, dense)
-        return dense
-    modules = {id(m): m for m in model.modules() if isinstance(m, LowRankModule)}
-    index = ModuleIndex(model)
-    replacements = []
-    for module in modules.values():
-        dense = module.to_dense()
-        carry_over(module, dense)
-        replacements.append((module, dense, index.names(module)))
-    with _swapped(model, replacements):  # every merge built first: all or nothing
-        pass
-    return model
-
-
-def load_factorized(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
-    """Load a factorized model's ``state_dict`` into a freshly built dense ``model``; return it.
-
-    Which modules are low-rank, and at which rank, is read from ``state_dict``: a module whose
-    entries are not its dense ones (``fc.u.weight``/``fc.v.weight`` instead of ``fc.weight``) is
-    rebuilt by its low-rank class at the rank of those factors (``rank_from_state_dict``), then
-    every value is loaded, strictly: a key missing or left over, or a shape that does not fit, is a
-    ``ValueError`` and leaves ``model`` as it was. The one tolerance is a tied parameter saved under
-    one of its names only (Hugging Face ``save_pretrained`` drops ``lm_head.weight``).
-
-    The way to reload a model saved factorized: build it as before (``Model(config)``), then
-    ``load_factorized(model, torch.load(path, weights_only=True))`` or
-    ``safetensors.torch.load_file(path)``.
-    """
-    index = ModuleIndex(model)
-    candidates, _ = _candidates(model)
-    replacements = []
-    for module in candidates:
-        names = index.names(module)
-        prefix = names[0] + "."
-        own = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        if not set(own) - set(module.state_dict()):
-            continue  # dense entries (or none: the strict check below reports them)
-        cls = low_rank_class_for(module)
-        assert cls is not None
-        try:
-            rank, options = cls.rank_from_state_dict(own)
-        except KeyError:
-            raise ValueError(f"state_dict entries of {names[0]!r} ({', '.join(sorted(own))}) fit "
-                             f"neither a dense {type(module).__name__} nor a {cls.__name__}"
-                             ) from None
-        low = cls.from_dense(module, min(rank, cls.full_rank(module)), **options)
-        carry_over(module, low)
-        replacements.append((module, low, names))
-    with _swapped(model, replacements):
-        _check_loadable(model, state_dict)
-        model.load_state_dict(state_dict, strict=False)  # every key checked just above
-    return model
-
-
-def _check_loadable(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Raise ``ValueError`` unless ``state_dict`` fits ``model`` exactly (tied aliases aside)."""
-    expected = model.state_dict(keep_vars=True)
-    holders: dict[int, set[str]] = {}
-    for key, value in expected.items():
-        holders.setdefault(id(value), set()).add(key)
-    missing = [k for k in expected if k not in state_dict
-               and not any(alias in state_dict for alias in holders[id(expected[k])])]
-    unexpected = [k for k in state_dict if k not in expected]
-    wrong = [f"{k} {tuple(state_dict[k].shape)} != {tuple(expected[k].shape)}"
-             for k in state_dict if k in expected and state_dict[k].shape != expected[k].shape]
-    problems = [f"{what}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
-                for what, keys in (("missing", missing), ("unexpected", unexpected),
-                                   ("wrong shape", wrong)) if keys]
-    if problems:
-        raise ValueError(f"state_dict does not fit {type(model).__name__} (rebuilt low-rank "
-                         f"where its factors say so): {'; '.join(problems)}")
-
-
-@contextmanager
-def _swapped(model: nn.Module, replacements: list[tuple[nn.Module, nn.Module, list[str]]]
-             ) -> Iterator[None]:
-    """Swap each ``(old, new, names)`` in under every name; on any error inside, swap back."""
-    done: list[tuple[str, nn.Module]] = []
-    try:
-        for old, new, names in replacements:
-            for name in names:
-                _replace(model, name, new)
-                done.append((name, old))
-        yield
-    except BaseException:
-        for name, old in reversed(done):
-            _replace(model, name, old)
-        raise
 
 
 def _check_root(model: nn.Module) -> None:
@@ -605,7 +332,7 @@ def _preset(model: nn.Module, preset: str) -> dict[str, Any]:
     return presets[preset]
 
 
-def _candidates(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+def find_candidates(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     """Modules with a registered low-rank class, and unsupported modules that own a matrix.
 
     The subtree below a candidate or a low-rank module is skipped: its children are the parent's
@@ -646,13 +373,6 @@ def _forward_order(model: nn.Module, candidates: list[nn.Module], example_input:
     return order + [m for m in candidates if m not in order]
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, new)
-
-
 def _shape(module: nn.Module) -> str:
     """The report's shape column, as the layer class words it (the default for unsupported types)."""
     return (low_rank_class_for(module) or LowRankModule).shape_summary(module)
-
-
