@@ -134,11 +134,14 @@ class BenchConfig:
                 f"powersgd_start_iter {self.powersgd_start_iter} is invalid: allowed >= 2 "
                 "(DDP re-buckets after step 1, and PowerSGD's memory must follow)"
             )
-        if self.warmup < self.powersgd_start_iter:
+        if any("powersgd" in m for m in self.methods) and self.warmup < self.powersgd_start_iter:
             raise ValueError(
                 f"warmup {self.warmup} is invalid: allowed >= powersgd_start_iter "
                 f"({self.powersgd_start_iter}), so that timed PowerSGD steps compress"
             )
+        if self.warmup < 2:
+            raise ValueError(f"warmup {self.warmup} is invalid: allowed >= 2 (DDP rebuilds its "
+                             "buckets after its first step, which must not be timed)")
         for name in ("threads", "train_subset", "test_subset", "warmup_epochs", "alpha", "timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
