@@ -9,7 +9,9 @@ per-message latency is left out). That is the α-β model of ``pufferfish bench`
 applied to the bytes each run counted where it sent them; ``pufferfish bench`` measures the
 image models' step times over emulated links instead (bench/accuracy.py).
 The target defaults to DDP's final test loss plus 2%; for image runs the "loss" is the test
-error, 1 - accuracy (``--target 0.3``: 70% accuracy).
+error, 1 - accuracy (``--target 0.3``: 70% accuracy); for llama it is the validation loss, and
+the evaluations within epochs (``evals.jsonl``, ``--eval-every-steps``) count too: a point at
+global step ``s`` is timed as the steps before it, each at its epoch's compute and bytes per step.
 """
 
 from __future__ import annotations
@@ -25,7 +27,34 @@ def _rows(run: Path) -> list[dict]:
 
 
 def _loss(row: dict) -> float:
-    return math.log(row["test_ppl"]) if "test_ppl" in row else 1.0 - row["test_acc"]
+    for key in ("test_ppl", "val_ppl"):
+        if key in row:
+            return math.log(row[key])
+    return 1.0 - row["test_acc"]
+
+
+def _points(run: Path, rows: list[dict], steps: int) -> list[tuple[int, float]]:
+    """``(global step, loss)`` of every evaluation: each epoch's end, and within epochs."""
+    ends, total = [], 0
+    for r in rows:
+        total += r.get("steps", steps)
+        ends.append((total, _loss(r)))
+    evals = run / "evals.jsonl"
+    inner = [(e["step"], _loss(e)) for e in map(json.loads, evals.read_text().splitlines())] \
+        if evals.is_file() else []
+    return sorted(set(ends + inner))
+
+
+def _clock(rows: list[dict], steps: int, step: int, bps: float) -> float:
+    """Seconds to ``step`` global steps over ``bps``: each step at its epoch's compute time per
+    step plus its bytes per step on the wire."""
+    t, start = 0.0, 0
+    for r in rows:
+        n = r.get("steps", steps)
+        per_step = r["compute_time"] / n + 8 * r["comm_bytes_per_step"] / bps
+        t += per_step * max(0, min(step, start + n) - start)
+        start += n
+    return t
 
 
 def main() -> None:
@@ -34,28 +63,41 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.0)
     ap.add_argument("--links", default="1e9,1e8,1e7", help="bit/s")
     args = ap.parse_args()
-    runs = {p.name: _rows(p) for p in sorted(args.runs.iterdir()) if (p / "metrics.jsonl").is_file()}
+    dirs = {p.name: p for p in sorted(args.runs.iterdir()) if (p / "metrics.jsonl").is_file()}
+    runs = {name: _rows(p) for name, p in dirs.items()}
     steps = next(r["steps"] for rows in runs.values() for r in rows if "steps" in r)
     target = args.target or _loss(runs["ddp"][-1]) * 1.02
     links = [float(x) for x in args.links.split(",")]
-    what = "test loss" if "test_ppl" in runs["ddp"][-1] else "test error (1 - accuracy)"
+    last_ddp = runs["ddp"][-1]
+    what = "test loss" if "test_ppl" in last_ddp else \
+        "validation loss" if "val_ppl" in last_ddp else "test error (1 - accuracy)"
     print(f"target {what} {target:.4f}; {steps} steps per epoch\n")
     head = ["method", "final ppl / acc", "MB sent / step", "MB sent in all", "MB to target",
             *(f"time to target @ {b / 1e6:g} Mbit/s" for b in links)]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for name, rows in runs.items():
         per_epoch = [r.get("steps", steps) * r["comm_bytes_per_step"] for r in rows]
-        reached = next((i for i, r in enumerate(rows) if _loss(r) <= target), None)
+        at = next((s for s, loss in _points(dirs[name], rows, steps) if loss <= target), None)
         last = rows[-1]
-        final = f"{last['test_ppl']:.2f}" if "test_ppl" in last else f"{100 * last['test_acc']:.2f}%"
+        ppl = last.get("test_ppl", last.get("val_ppl"))
+        final = f"{ppl:.2f}" if ppl is not None else f"{100 * last['test_acc']:.2f}%"
         cells = [name, final,
                  f"{sum(per_epoch) / sum(r.get('steps', steps) for r in rows) / 1e6:.3f}",
                  f"{sum(per_epoch) / 1e6:.1f}",
-                 "-" if reached is None else f"{sum(per_epoch[:reached + 1]) / 1e6:.1f}"]
+                 "-" if at is None else f"{_bytes_to(rows, steps, at) / 1e6:.1f} (step {at})"]
         for b in links:
-            clock = [r["compute_time"] + 8 * sent / b for r, sent in zip(rows, per_epoch)]
-            cells.append("not reached" if reached is None else f"{sum(clock[:reached + 1]):.0f} s")
+            cells.append("not reached" if at is None else f"{_clock(rows, steps, at, b):.0f} s")
         print("| " + " | ".join(cells) + " |")
+
+
+def _bytes_to(rows: list[dict], steps: int, step: int) -> float:
+    """Bytes sent in the first ``step`` global steps."""
+    sent, start = 0.0, 0
+    for r in rows:
+        n = r.get("steps", steps)
+        sent += r["comm_bytes_per_step"] * max(0, min(step, start + n) - start)
+        start += n
+    return sent
 
 
 if __name__ == "__main__":
