@@ -25,6 +25,7 @@ server that registers with a lighthouse, rather than a plain process group (docs
 from __future__ import annotations
 
 import time
+from types import EllipsisType
 from typing import Any
 
 import torch
@@ -36,6 +37,10 @@ from .hooks.accounting import CommStats
 from .hooks.state import check_setting
 
 __all__ = ["DiLoCoState"]
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).float() for t in tensors]) if tensors else torch.zeros(0)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -52,7 +57,8 @@ class DiLoCoState:
     """
 
     def __init__(self, inner_steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None,
+                 buffer_group: dist.ProcessGroup | EllipsisType | None = ...) -> None:
         check_setting("inner_steps", inner_steps,
                       isinstance(inner_steps, int) and inner_steps >= 1, "an integer >= 1")
         check_setting("outer_lr", outer_lr, outer_lr > 0 and outer_lr < float("inf"),
@@ -61,6 +67,9 @@ class DiLoCoState:
                       "0 <= outer_momentum < 1")
         self.inner_steps, self.outer_lr, self.outer_momentum = inner_steps, outer_lr, outer_momentum
         self.process_group = process_group
+        # The float buffers' group (default: process_group). Under FSDP2 every process: the
+        # processes of one replica update their BatchNorm statistics on their own batches.
+        self.buffer_group = process_group if buffer_group is ... else buffer_group
         self.stats = CommStats()
         self.steps_since_sync = 0  # inner steps since the last synchronization
         self.outer_steps = 0  # synchronizations so far (all of the run)
@@ -93,7 +102,8 @@ class DiLoCoState:
 
     def fresh(self) -> DiLoCoState:
         """A state with the same settings and counters, not bound (after a change of the model)."""
-        new = type(self)(self.inner_steps, self.outer_lr, self.outer_momentum, self.process_group)
+        new = type(self)(self.inner_steps, self.outer_lr, self.outer_momentum, self.process_group,
+                         self.buffer_group)
         new.outer_steps = self.outer_steps
         return new
 
@@ -134,20 +144,21 @@ class DiLoCoState:
         """One outer step: average the pseudo-gradients and the float buffers over ranks, apply
         the outer Nesterov SGD to the synchronized weights, copy them into the model."""
         assert self.model is not None and self.optimizer is not None, "bind() a model first"
-        world = dist.get_world_size(self.process_group)
         buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+        apart = self.buffer_group is not self.process_group  # buffers in a second all-reduce
         with torch.no_grad():
             deltas = [s - p.detach() for s, p in zip(self._synced, self._params)]  # shard-wise
             local = [_local(d) for d in deltas]
-            flat = torch.cat([t.reshape(-1).float() for t in [*local, *buffers]]) \
-                if local or buffers else torch.zeros(0)
-            payload = flat.numel() * flat.element_size()
-            self.stats.add_bucket(payload)
+            flat = _flat([*local, *([] if apart else buffers)])
+            flats = [(flat, self.process_group), *([(_flat(buffers), self.buffer_group)]
+                                                   if apart and buffers else [])]
+            self.stats.add_bucket(sum(f.nbytes for f, _ in flats))  # one bucket per outer step
             start = time.perf_counter()
-            dist.all_reduce(flat, group=self.process_group)
+            for f, group in flats:
+                dist.all_reduce(f, group=group)
+                self.stats.add_collective("allreduce", f.nbytes, dist.get_world_size(group))
+                f /= dist.get_world_size(group)
             self.stats.add_hook_time(time.perf_counter() - start)
-            self.stats.add_collective("allreduce", payload, world)
-            flat /= world
             offset = 0
             for p, s, d, mine in zip(self._params, self._synced, deltas, local):
                 n = mine.numel()
@@ -155,6 +166,8 @@ class DiLoCoState:
                 mine.copy_(flat[offset:offset + n].view_as(mine))  # d: p's layout, averaged
                 p.grad = d
                 offset += n
+            if apart:
+                flat, offset = flats[-1][0], 0
             for b in buffers:
                 n = b.numel()
                 b.copy_(flat[offset:offset + n].view_as(b))

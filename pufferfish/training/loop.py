@@ -253,7 +253,8 @@ def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method,
     # DiLoCo: no DDP wrapper, each worker (each FSDP2 group) steps alone until the outer step
     # (_after_step); bound after sharding, so it holds each process's local shards.
     sync = (DiLoCoState(cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum,
-                        None if mesh is None else mesh.get_group("replicate")).bind(model)
+                        None if mesh is None else mesh.get_group("replicate"),
+                        buffer_group=None).bind(model)  # buffers: over every process
             if cfg.sync == "diloco" else None)
     if cfg.parallel == "ddp":
         wrapped = model if sync is not None else dist_env.wrap_ddp(model, env, buckets.cap)
@@ -578,7 +579,7 @@ def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
     if run.sync is not None:
         row["outer_steps"] = run.sync.outer_steps  # of the run so far
         row["comm_bytes_per_outer_step"] = (stats.get("bytes_sent", 0.0)
-                                            / max(1, stats.get("comm_calls", 0)))
+                                            / max(1, stats.get("buckets", 0)))
     return row
 
 
