@@ -395,6 +395,7 @@ def _rebuild(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Tas
     if run.sync is not None and fresh.sync is not None:  # changed at an outer-step boundary
         method.carry_outer_state(run.sync.optimizer, fresh.sync.optimizer, before, run.model)
         fresh.sync.outer_steps = run.sync.outer_steps
+        fresh.sync.stats = run.sync.stats  # the epoch's byte counts go on (a switch mid-epoch)
     run.optimizer, run.wrapped, run.hook_state = fresh.optimizer, fresh.wrapped, fresh.hook_state
     run.sync = fresh.sync
     run.figures, run.change = None, change
