@@ -32,14 +32,14 @@ ARGS = [*SMALL, "--batch-size", "16", "--train-subset", "256", "--lr", "0.05", "
         "--inner-steps", "2", "--checkpoint-every-steps", "2"]
 
 
-def two_machines(*args: str) -> list[subprocess.CompletedProcess]:
-    """``pufferfish train ARGS`` as two torchrun agents of 2 processes each on 127.0.0.1."""
+def two_machines(*args: str, nproc: tuple[int, int] = (2, 2)) -> list[subprocess.CompletedProcess]:
+    """``pufferfish train ARGS`` as two torchrun agents (``nproc`` processes each) on 127.0.0.1."""
     port = str(free_port())
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-         "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+         "--nproc-per-node", str(n), "--master-addr", "127.0.0.1", "--master-port", port,
          "-m", "pufferfish", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for node in (0, 1)]
+        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for node, n in enumerate(nproc)]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=300)
@@ -127,6 +127,16 @@ def test_a_single_replica_is_refused_in_one_line(tmp_path: Path) -> None:
     assert "exitcode  : 2" in result.stderr  # each process's exit status, under torchrun's
     assert "shard_size 0 (LOCAL_WORLD_SIZE 2, the processes of one machine) is invalid with " \
            "sync 'diloco' on 2 processes (one replica: nothing for DiLoCo to average)" in lines[0]
+
+
+@needs_fashion
+def test_machines_of_different_sizes_are_refused_in_one_line(tmp_path: Path) -> None:
+    """2 processes on one machine, 1 on the other: no grid of replicas x shards."""
+    results = two_machines(*ARGS, "--out", str(tmp_path / "r"), nproc=(2, 1))
+    for result in results:
+        assert result.returncode != 0 and "exitcode  : 2" in result.stderr, result.stderr[-3000:]
+        assert "shard_size 0 is invalid when machines run different numbers of processes " \
+               "(LOCAL_WORLD_SIZE 1 to 2)" in result.stderr
 
 
 def test_the_grid_and_its_refusals() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -38,6 +39,17 @@ def grid(world_size: int, shard_size: int) -> tuple[int, int]:
 
 
 def replica_mesh(shard_size: int, device_type: str) -> DeviceMesh:
-    """The 2-D mesh ``("replicate", "shard")`` of this process group (see :func:`grid`)."""
-    replicas, size = grid(dist.get_world_size(), shard_size)
+    """The 2-D mesh ``("replicate", "shard")`` of this process group (see :func:`grid`); a
+    collective. Every machine must run as many processes when ``shard_size`` is 0."""
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    sizes = torch.tensor([local, -local])
+    dist.all_reduce(sizes, op=dist.ReduceOp.MIN)  # before any refusal: every process learns it
+    low, high = int(sizes[0]), -int(sizes[1])
+    if not shard_size and low != high:
+        raise ValueError(f"shard_size 0 is invalid when machines run different numbers of "
+                         f"processes (LOCAL_WORLD_SIZE {low} to {high}): allowed the same number "
+                         "on every machine, or --shard-size")
+    replicas, size = grid(world, shard_size)
+    # torchrun numbers a machine's processes consecutively: each row of the mesh is one machine
     return init_device_mesh(device_type, (replicas, size), mesh_dim_names=("replicate", "shard"))
