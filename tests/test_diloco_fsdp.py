@@ -3,8 +3,9 @@
 (float32 rounding: 1e-5 absolute); replicas differ between outer steps and hold the same full
 weights after each; an outer step ships this process's shard of the pseudo-gradients; a run
 through the switch written by two "machines" (two torchrun agents, ``--nnodes 2``) resumes
-bitwise exactly from a mid-run sharded checkpoint on one agent with ``--shard-size 2``; a single
-replica and a world that is not a multiple of the shard size are refused in one line.
+bitwise exactly from a mid-run sharded checkpoint on one agent with ``--shard-size 2`` (and is
+refused on another number of replicas); a single replica, a world that is not a multiple of the
+shard size and machines of different sizes are refused in one line.
 """
 
 from __future__ import annotations
@@ -117,6 +118,17 @@ def test_resume_from_a_mid_run_outer_step_is_exact(run: Path, tmp_path: Path) ->
     for x, y in zip(metrics(run), metrics(again), strict=True):
         assert {k: v for k, v in x.items() if k not in TIMES | {"peak_rss_bytes"}} == \
             {k: v for k, v in y.items() if k not in TIMES | {"peak_rss_bytes"}}
+
+
+@needs_fashion
+def test_resume_on_another_number_of_replicas_is_refused(run: Path, tmp_path: Path) -> None:
+    """Each replica's inner optimizer is its own: 4 replicas of 1 cannot continue 2 of 2."""
+    again = tmp_path / "run"
+    shutil.copytree(run, again)
+    result = torchrun(4, "-m", "pufferfish", "train", "--resume", str(again), "--shard-size", "1")
+    assert result.returncode != 0 and "exitcode  : 2" in result.stderr, result.stderr[-3000:]
+    assert "was written by 2 DiLoCo replica(s) over FSDP2, this run has 4: resume it with the " \
+           "same number of processes and --shard-size" in result.stderr
 
 
 @needs_fashion
