@@ -131,6 +131,7 @@ class TrainConfig:
     outer_lr: float = 0.7  # diloco: outer Nesterov SGD learning rate on the pseudo-gradients
     outer_momentum: float = 0.9  # diloco: outer Nesterov momentum, 0 <= m < 1
     outer_switch_momentum: str = "reset"  # diloco + pufferfish: outer momentum at the switch
+    shard_size: int = 0  # fsdp + diloco: processes sharding one replica (0: LOCAL_WORLD_SIZE)
     timeout_s: float = 300.0  # process-group timeout: a vanished peer is an error after this
     bucket_mb: str = "auto"  # DDP gradient bucket cap in MiB, torch (1 MiB, then 25), or auto (timed)
     # Run directory and checkpoints
@@ -280,6 +281,13 @@ class TrainConfig:
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"outer_momentum {self.outer_momentum!r} is invalid: allowed "
                               "0 <= outer_momentum < 1")
+        if isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int) \
+                or self.shard_size < 0:
+            raise ConfigError(f"shard_size {self.shard_size!r} is invalid: allowed an integer >= 0")
+        if self.shard_size and (self.sync != "diloco" or self.parallel != "fsdp"):
+            raise ConfigError(f"shard_size {self.shard_size} is invalid without parallel 'fsdp' "
+                              "and sync 'diloco' (it sizes the FSDP2 groups of DiLoCo's "
+                              "replicas): allowed 0")
         if self.sync != "diloco":
             return
         if self.comm != "allreduce":
@@ -307,9 +315,10 @@ class TrainConfig:
         if self.switch_momentum != "reset":
             raise ConfigError(f"switch_momentum {self.switch_momentum!r} is invalid with parallel "
                               "'fsdp': allowed reset")
-        if self.sync != "ddp":
-            raise ConfigError(f"sync {self.sync!r} is invalid with parallel 'fsdp' (DiLoCo on "
-                              "sharded weights is not built yet): allowed sync ddp")
+        if self.sync == "diloco" and self.outer_switch_momentum != "reset":
+            raise ConfigError(f"outer_switch_momentum {self.outer_switch_momentum!r} is invalid "
+                              "with parallel 'fsdp' (projecting reads every layer's dense "
+                              "weights): allowed reset")
         if self.compile:
             raise ConfigError("compile true is invalid with parallel 'fsdp' (not tested through "
                               "the re-sharding at the switch): allowed --no-compile")

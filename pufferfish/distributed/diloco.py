@@ -12,6 +12,12 @@ its ``.grad``. Its state is therefore keyed by the model's parameters like the i
 so a method that carries optimizer state across a change of the model (Pufferfish's momentum
 projected onto the factors) carries the outer momentum the same way.
 
+Under FSDP2 (``--parallel fsdp``, :mod:`.replicas`) the parameters are DTensors: everything here
+works on each process's local shard (``DTensor.to_local()``) and all-reduces over
+``process_group``, the replicate group, so the bytes of an outer step are this process's shard of
+the pseudo-gradients (about ``1 / shard_size`` of plain DiLoCo's); the synchronized weights and
+the outer momentum stay sharded like the parameters (:meth:`sharded_state_dict`).
+
 Built on ``torch.distributed`` directly: torchft's ``DiLoCo`` needs its ``Manager``, a Rust
 server that registers with a lighthouse, rather than a plain process group (docs/design.md).
 """
@@ -19,16 +25,27 @@ server that registers with a lighthouse, rather than a plain process group (docs
 from __future__ import annotations
 
 import time
+from types import EllipsisType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .hooks.accounting import CommStats
 from .hooks.state import check_setting
 
 __all__ = ["DiLoCoState"]
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).float() for t in tensors]) if tensors else torch.zeros(0)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor (a view, under no_grad), or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class DiLoCoState:
@@ -40,7 +57,8 @@ class DiLoCoState:
     """
 
     def __init__(self, inner_steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None,
+                 buffer_group: dist.ProcessGroup | EllipsisType | None = ...) -> None:
         check_setting("inner_steps", inner_steps,
                       isinstance(inner_steps, int) and inner_steps >= 1, "an integer >= 1")
         check_setting("outer_lr", outer_lr, outer_lr > 0 and outer_lr < float("inf"),
@@ -49,6 +67,9 @@ class DiLoCoState:
                       "0 <= outer_momentum < 1")
         self.inner_steps, self.outer_lr, self.outer_momentum = inner_steps, outer_lr, outer_momentum
         self.process_group = process_group
+        # The float buffers' group (default: process_group). Under FSDP2 every process: the
+        # processes of one replica update their BatchNorm statistics on their own batches.
+        self.buffer_group = process_group if buffer_group is ... else buffer_group
         self.stats = CommStats()
         self.steps_since_sync = 0  # inner steps since the last synchronization
         self.outer_steps = 0  # synchronizations so far (all of the run)
@@ -66,11 +87,12 @@ class DiLoCoState:
         buffers are broadcast (as DDP's wrap does), so the replicas start identical.
         """
         self.model = model
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._names, self._params = [n for n, _ in named], [p for _, p in named]
         if not self._agree():
             with torch.no_grad():
                 for t in [*self._params, *model.buffers()]:
-                    dist.broadcast(t.data, 0, group=self.process_group)
+                    dist.broadcast(_local(t.data), group=self.process_group, group_src=0)
         self._synced = [p.detach().clone() for p in self._params]
         self.optimizer = torch.optim.SGD(self._params, lr=self.outer_lr,
                                          momentum=self.outer_momentum,
@@ -80,7 +102,8 @@ class DiLoCoState:
 
     def fresh(self) -> DiLoCoState:
         """A state with the same settings and counters, not bound (after a change of the model)."""
-        new = type(self)(self.inner_steps, self.outer_lr, self.outer_momentum, self.process_group)
+        new = type(self)(self.inner_steps, self.outer_lr, self.outer_momentum, self.process_group,
+                         self.buffer_group)
         new.outer_steps = self.outer_steps
         return new
 
@@ -89,14 +112,14 @@ class DiLoCoState:
         tensors = [*self._params, *(self.model.buffers() if self.model is not None else [])]
         if not tensors:
             return torch.zeros(2, dtype=torch.float64)
-        return torch.stack([torch.stack([t.detach().double().sum(), t.detach().double().square().sum()])
-                            for t in tensors]).flatten()
+        local = [_local(t.detach()).double() for t in tensors]
+        return torch.stack([torch.stack([t.sum(), t.square().sum()]) for t in local]).flatten()
 
     def _agree(self) -> bool:
         """Whether every rank's checksums equal rank 0's."""
         mine = self.checksums()
         theirs = mine.clone()
-        dist.broadcast(theirs, 0, group=self.process_group)
+        dist.broadcast(theirs, group=self.process_group, group_src=0)
         disagree = torch.tensor([0.0 if torch.equal(mine, theirs) else 1.0])
         dist.all_reduce(disagree, group=self.process_group)
         return disagree.item() == 0
@@ -121,25 +144,30 @@ class DiLoCoState:
         """One outer step: average the pseudo-gradients and the float buffers over ranks, apply
         the outer Nesterov SGD to the synchronized weights, copy them into the model."""
         assert self.model is not None and self.optimizer is not None, "bind() a model first"
-        world = dist.get_world_size(self.process_group)
         buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+        apart = self.buffer_group is not self.process_group  # buffers in a second all-reduce
         with torch.no_grad():
-            deltas = [s - p.detach() for s, p in zip(self._synced, self._params)]
-            flat = torch.cat([t.reshape(-1).float() for t in [*deltas, *buffers]]) \
-                if deltas or buffers else torch.zeros(0)
-            payload = flat.numel() * flat.element_size()
-            self.stats.add_bucket(payload)
+            deltas = [s - p.detach() for s, p in zip(self._synced, self._params)]  # shard-wise
+            local = [_local(d) for d in deltas]
+            flat = _flat([*local, *([] if apart else buffers)])
+            flats = [(flat, self.process_group), *([(_flat(buffers), self.buffer_group)]
+                                                   if apart and buffers else [])]
+            self.stats.add_bucket(sum(f.nbytes for f, _ in flats))  # one bucket per outer step
             start = time.perf_counter()
-            dist.all_reduce(flat, group=self.process_group)
+            for f, group in flats:
+                dist.all_reduce(f, group=group)
+                self.stats.add_collective("allreduce", f.nbytes, dist.get_world_size(group))
+                f /= dist.get_world_size(group)
             self.stats.add_hook_time(time.perf_counter() - start)
-            self.stats.add_collective("allreduce", payload, world)
-            flat /= world
             offset = 0
-            for p, s, d in zip(self._params, self._synced, deltas):
-                n = d.numel()
+            for p, s, d, mine in zip(self._params, self._synced, deltas, local):
+                n = mine.numel()
                 p.copy_(s)
-                p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
+                mine.copy_(flat[offset:offset + n].view_as(mine))  # d: p's layout, averaged
+                p.grad = d
                 offset += n
+            if apart:
+                flat, offset = flats[-1][0], 0
             for b in buffers:
                 n = b.numel()
                 b.copy_(flat[offset:offset + n].view_as(b))
@@ -153,20 +181,52 @@ class DiLoCoState:
         self.outer_steps += 1
 
     # -- checkpoint -------------------------------------------------------------------------
+    @property
+    def sharded(self) -> bool:
+        """Whether the parameters are FSDP2 shards (DTensors)."""
+        return any(isinstance(p, DTensor) for p in self._params)
+
     def state_dict(self) -> dict[str, Any]:
-        """The outer optimizer's state, the synchronized weights and the counters."""
+        """The outer optimizer's state, the synchronized weights and the counters; when
+        :attr:`sharded`, the counters only (the tensors: :meth:`sharded_state_dict`)."""
         assert self.optimizer is not None, "bind() a model first"
-        return {"optimizer": self.optimizer.state_dict(), "synced": [s.clone() for s in self._synced],
-                "steps_since_sync": self.steps_since_sync, "outer_steps": self.outer_steps}
+        counters = {"steps_since_sync": self.steps_since_sync, "outer_steps": self.outer_steps}
+        if self.sharded:
+            return counters
+        return {"optimizer": self.optimizer.state_dict(),
+                "synced": [s.clone() for s in self._synced], **counters}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         assert self.optimizer is not None, "bind() a model first"
-        if len(state["synced"]) != len(self._synced):
-            raise ValueError(f"DiLoCo state holds {len(state['synced'])} synchronized tensors, "
-                             f"the model {len(self._synced)}")
-        self.optimizer.load_state_dict(state["optimizer"])
-        with torch.no_grad():
-            for s, saved in zip(self._synced, state["synced"]):
-                s.copy_(saved)
+        if self.sharded != ("synced" not in state):
+            raise ValueError("DiLoCo state was saved with the model "
+                             f"{'un' if 'synced' in state else ''}sharded, now it is "
+                             f"{'' if self.sharded else 'un'}sharded")
+        if not self.sharded:
+            if len(state["synced"]) != len(self._synced):
+                raise ValueError(f"DiLoCo state holds {len(state['synced'])} synchronized "
+                                 f"tensors, the model {len(self._synced)}")
+            self.optimizer.load_state_dict(state["optimizer"])
+            with torch.no_grad():
+                for s, saved in zip(self._synced, state["synced"]):
+                    s.copy_(saved)
         self.steps_since_sync = state["steps_since_sync"]
         self.outer_steps = state["outer_steps"]
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The synchronized weights and the outer optimizer's state by parameter name, as
+        DTensors, for ``torch.distributed.checkpoint`` (each process writes its own shards; a
+        DCP load fills them in place, then :meth:`load_sharded_state_dict`)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        assert self.model is not None and self.optimizer is not None, "bind() a model first"
+        return {"synced": dict(zip(self._names, self._synced)),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Put :meth:`sharded_state_dict`, filled by a DCP load, back (the synchronized weights
+        were loaded in place)."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        assert self.model is not None and self.optimizer is not None, "bind() a model first"
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])

@@ -17,8 +17,9 @@ how a switch reads dense weights one layer at a time; :func:`check_replicated` m
 every process computed from them (the SVD factors) is bitwise the same before it is sharded.
 
 Buffers (BatchNorm statistics) are not sharded and FSDP2 does not synchronize them; as DDP does
-with ``broadcast_buffers``, rank 0's buffers are broadcast before every forward of the root in
-training mode, so replicas agree (evaluation, checkpoints).
+with ``broadcast_buffers``, the first process's buffers are broadcast (over the processes that
+shard the model) before every forward of the root in training mode, so they agree (evaluation,
+checkpoints).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -104,11 +106,13 @@ def mixed_precision(device: torch.device, amp: bool) -> MixedPrecisionPolicy:
 
 
 def shard(model: nn.Module, mp_policy: MixedPrecisionPolicy | None = None,
-          reshard_after_forward: bool = True) -> nn.Module:
+          reshard_after_forward: bool = True, mesh: DeviceMesh | None = None) -> nn.Module:
     """``fully_shard`` every unit of :func:`fsdp_units`, then the root; returns ``model``.
 
-    On a model already sharded (after a switch), rebuilds only the units that hold unsharded
-    parameters, then the root (see the module docs), with the options the root had.
+    ``mesh``: the 1-D mesh to shard over (default: every process); its group also shares the
+    buffers (DiLoCo over FSDP2 shards within a machine: :mod:`.replicas`). On a model already
+    sharded (after a switch), rebuilds only the units that hold unsharded parameters, then the
+    root (see the module docs), with the options the root had.
     """
     if is_sharded(model):
         for root in _roots(model):
@@ -116,9 +120,10 @@ def shard(model: nn.Module, mp_policy: MixedPrecisionPolicy | None = None,
         return model
     mp = mp_policy or MixedPrecisionPolicy()
     for name in fsdp_units(model):
-        fully_shard(model.get_submodule(name), mp_policy=mp,
+        fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=mp,
                     reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mp_policy=mp)  # the root: FSDP2 keeps it unsharded between fwd and bwd
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: unsharded between fwd and bwd
+    model.__dict__[_BUFFER_GROUP] = None if mesh is None else mesh.get_group()
     model.register_forward_pre_hook(_sync_buffers)
     return model
 
@@ -163,6 +168,7 @@ def unwrap_layers(model: nn.Module, replaced: Callable[[type], bool]) -> None:
 
 
 _LAYER_UNITS, _OPTIONS = "_pufferfish_layer_units", "_pufferfish_fsdp_options"
+_BUFFER_GROUP = "_pufferfish_buffer_group"  # the processes that share one model's shards
 
 
 def _original_class(module: nn.Module) -> type:
@@ -280,9 +286,11 @@ def _sync_buffers(module: nn.Module, _args: Any) -> None:
 
 
 def _broadcast_buffers(module: nn.Module) -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    """The first process's buffers to every process that shares the model's shards."""
+    group = module.__dict__.get(_BUFFER_GROUP)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
         for b in module.buffers():
-            dist.broadcast(b, src=0)
+            dist.broadcast(b, group=group, group_src=0)
 
 
 @contextlib.contextmanager

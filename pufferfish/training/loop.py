@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from tqdm import tqdm
 
 from ..config import ConfigError, TrainConfig, dump_toml
@@ -52,6 +53,7 @@ from ..distributed.buckets import BucketTuner
 from ..distributed.diloco import DiLoCoState
 from ..distributed.env import DistEnv
 from ..distributed.hooks import hook_options, register_comm_hook
+from ..distributed.replicas import replica_mesh
 from . import checkpoint as ckpt
 from . import faults, optim, startup, tasks
 from .methods import Change, Method, build_method
@@ -99,6 +101,7 @@ class Run(Replica):
     meter: EpochMeter = field(default_factory=EpochMeter)
     figures: dict[str, Any] | None = None  # the method's model figures, until the next change
     sync: DiLoCoState | None = None  # --sync diloco: outer optimizer and synchronized weights
+    mesh: DeviceMesh | None = None  # fsdp + diloco: ("replicate", "shard"), distributed/replicas.py
     last_checkpoint: Path | None = None
     buckets: BucketTuner = field(default_factory=BucketTuner)  # DDP's bucket cap, and its trials
     change: Change | None = None  # the last change of the model, whose report has the buckets
@@ -176,11 +179,12 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         **startup.data_fingerprint(task),
         "resume_from": None if resumed is None else resumed[1].name}, DataError)
     buckets = BucketTuner(cfg.bucket_mb)
+    mesh = _replica_mesh(cfg, env)
     if resumed is None:
         buckets.start(model, "start", len(task.train_loader), _ddp(cfg, env))
-        run = _prepare(cfg, model, env, method, buckets)
+        run = _prepare(cfg, model, env, method, buckets, mesh)
     else:
-        run = _resume(cfg, env, method, task, model, *resumed, buckets)
+        run = _resume(cfg, env, method, task, model, *resumed, buckets, mesh)
         with _signals_deferred():  # rows of the epoch being redone go
             writer.truncate(run.progress.epoch)
             evals.truncate(run.progress.global_step)
@@ -221,8 +225,18 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
 SYNC_FIELDS = ("sync", "inner_steps", "outer_lr", "outer_momentum")
 
 
+def _replica_mesh(cfg: TrainConfig, env: DistEnv) -> DeviceMesh | None:
+    """fsdp + diloco: the processes as replicas x shards (distributed/replicas.py); else None."""
+    if cfg.parallel != "fsdp" or cfg.sync != "diloco":
+        return None
+    try:
+        return replica_mesh(cfg.shard_size, env.device.type)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method,
-             buckets: BucketTuner) -> Run:
+             buckets: BucketTuner, mesh: DeviceMesh | None = None) -> Run:
     """Optimizer, DDP wrapper (with ``buckets.cap``; none under DiLoCo), comm hook and AMP scaler
     for the model as it is now.
 
@@ -233,12 +247,16 @@ def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method,
     """
     if cfg.channels_last and cfg.parallel == "ddp":  # FSDP2 shards contiguous parameters only
         model.to(memory_format=torch.channels_last)
-    # DiLoCo: no DDP wrapper, each worker steps alone until the outer step (_after_step).
-    sync = (DiLoCoState(cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum).bind(model)
+    if cfg.parallel == "fsdp":  # over mesh["shard"] under DiLoCo: one replica per group
+        wrapped = fsdp.shard(model, fsdp.mixed_precision(env.device, cfg.amp),
+                             mesh=None if mesh is None else mesh["shard"])
+    # DiLoCo: no DDP wrapper, each worker (each FSDP2 group) steps alone until the outer step
+    # (_after_step); bound after sharding, so it holds each process's local shards.
+    sync = (DiLoCoState(cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum,
+                        None if mesh is None else mesh.get_group("replicate"),
+                        buffer_group=None).bind(model)  # buffers: over every process
             if cfg.sync == "diloco" else None)
-    if cfg.parallel == "fsdp":
-        wrapped = fsdp.shard(model, fsdp.mixed_precision(env.device, cfg.amp))
-    else:
+    if cfg.parallel == "ddp":
         wrapped = model if sync is not None else dist_env.wrap_ddp(model, env, buckets.cap)
     # After wrapping: FSDP2 replaces the parameters by their shards (DTensors).
     optimizer = method.build_optimizer(model, cfg)
@@ -250,7 +268,7 @@ def _prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method,
                           "loss scale): allowed without --amp, or another comm")
     return Run(model=model, wrapped=wrapped, optimizer=optimizer, scaler=scaler, sync=sync,
                hook_state=None if sync is not None else _register_hook(cfg, wrapped, env),
-               buckets=buckets)
+               buckets=buckets, mesh=mesh)
 
 
 def _register_hook(cfg: TrainConfig, wrapped: nn.Module, env: DistEnv) -> Any:
@@ -273,7 +291,8 @@ def _components(run: Run, method: Method, task: Task) -> tuple[dict[str, Any], d
 
 
 def _resume(cfg: TrainConfig, env: DistEnv, method: Method, task: Task, model: nn.Module,
-            saved: dict[str, Any], path: Path, buckets: BucketTuner) -> Run:
+            saved: dict[str, Any], path: Path, buckets: BucketTuner,
+            mesh: DeviceMesh | None = None) -> Run:
     """The run as the checkpoint ``saved`` left it: the architecture, weights and bucket cap
     first (the optimizer and DDP are built on them), then every other component from its entry."""
     method.load_state_dict(saved["method"], model)  # e.g. rebuild the factorized architecture
@@ -284,15 +303,16 @@ def _resume(cfg: TrainConfig, env: DistEnv, method: Method, task: Task, model: n
     if written == "ddp":
         startup.load_model(model, saved["model"], path)
     buckets.load_state_dict(saved.get("buckets") or {"cap_mib": None, "decisions": []})
-    run = _prepare(cfg, model, env, method, buckets)
+    run = _prepare(cfg, model, env, method, buckets, mesh)
     run.noted = len(buckets.decisions)
     shared, per_rank = _components(run, method, task)
     del shared["method"], shared["model"], shared["buckets"]  # loaded above (or below, sharded)
     if written == "fsdp":  # each rank reads its own shards, resharded by DCP if need be
-        state = fsdp.sharded_state(run.model, run.optimizer)
+        _check_replicas(run, saved, path)
+        state = _sharded_state(run)
         ckpt.load_sharded(path, saved["sharded"], state)
-        fsdp.load_sharded_state(run.model, run.optimizer, state)
-        del shared["optimizer"]
+        _load_sharded_state(run, state)
+        shared.pop("optimizer", None), per_rank.pop("optimizer", None)
     ranks = saved.get("ranks") or []
     mine = ranks[env.rank] if env.rank < len(ranks) else {}
     for components, states in ((shared, saved), (per_rank, mine)):
@@ -303,6 +323,36 @@ def _resume(cfg: TrainConfig, env: DistEnv, method: Method, task: Task, model: n
     dist_env.say(env, f"resumed from {path} at epoch {run.progress.epoch}, "
                       f"step {run.progress.step_in_epoch}")
     return run
+
+
+def _sharded_state(run: Run) -> dict[str, Any]:
+    """The DCP state: model and optimizer shards; under DiLoCo the inner optimizer under its
+    replica's key (replicas differ between outer steps) and the outer state (the same on all)."""
+    state = fsdp.sharded_state(run.model, run.optimizer)
+    if run.sync is not None:
+        replica = 0 if run.mesh is None else run.mesh.get_local_rank("replicate")
+        state["optimizer"] = {f"replica{replica}": state["optimizer"]}
+        state["sync"] = run.sync.sharded_state_dict()
+    return state
+
+
+def _load_sharded_state(run: Run, state: dict[str, Any]) -> None:
+    """Put :func:`_sharded_state`, filled by a DCP load, back into the run."""
+    if run.sync is not None:
+        (optimizer,) = state["optimizer"].values()
+        fsdp.load_sharded_state(run.model, run.optimizer, {**state, "optimizer": optimizer})
+        run.sync.load_sharded_state_dict(state["sync"])
+    else:
+        fsdp.load_sharded_state(run.model, run.optimizer, state)
+
+
+def _check_replicas(run: Run, saved: dict[str, Any], path: Path) -> None:
+    """fsdp + diloco: each replica's inner optimizer is its own, so the grid must not change."""
+    was, now = saved.get("replicas"), None if run.mesh is None else run.mesh.size(0)
+    if was != now:
+        raise ckpt.CheckpointError(
+            f"checkpoint {path} was written by {was or 1} DiLoCo replica(s) over FSDP2, this run "
+            f"has {now or 1}: resume it with the same number of processes and --shard-size")
 
 
 def _write_config(cfg: TrainConfig, env: DistEnv, run_dir: Path) -> None:
@@ -338,13 +388,14 @@ def _rebuild(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Tas
     state the method carries over."""
     run.buckets.start(run.model, f"after the {change.name} at epoch {run.progress.epoch}",
                       len(task.train_loader), _ddp(cfg, env))  # a new model: new buckets
-    fresh = _prepare(cfg, run.model, env, method, run.buckets)
+    fresh = _prepare(cfg, run.model, env, method, run.buckets, run.mesh)
     if run.hook_state is not None and fresh.hook_state is not None:
         fresh.hook_state.stats = run.hook_state.stats  # the epoch's byte counts go on (mid-epoch)
     method.carry_state(run.optimizer, fresh.optimizer, before, run.model)
     if run.sync is not None and fresh.sync is not None:  # changed at an outer-step boundary
         method.carry_outer_state(run.sync.optimizer, fresh.sync.optimizer, before, run.model)
         fresh.sync.outer_steps = run.sync.outer_steps
+        fresh.sync.stats = run.sync.stats  # the epoch's byte counts go on (a switch mid-epoch)
     run.optimizer, run.wrapped, run.hook_state = fresh.optimizer, fresh.wrapped, fresh.hook_state
     run.sync = fresh.sync
     run.figures, run.change = None, change
@@ -517,13 +568,19 @@ def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
         "compress_time": stats.get("compress_time", 0.0),
         "comm_time": stats.get("comm_time", 0.0),
         # FSDP2: all-gather + reduce-scatter bytes and sharded memory (docs/benchmarks.md)
-        **(fsdp.step_figures(run.model, run.optimizer, env.world_size)
+        **(fsdp.step_figures(run.model, run.optimizer,
+                             env.world_size if run.mesh is None else run.mesh.size(1))
            if cfg.parallel == "fsdp" else {}),
     }
+    if run.mesh is not None:  # fsdp + diloco: every byte per step, inside and across replicas
+        row["outer_bytes_per_step"] = per_step
+        row["comm_bytes_per_step"] += per_step
+        row["comm_bytes_per_sample"] = row["comm_bytes_per_step"] / (
+            cfg.batch_size * _tokens_per_example(cfg))
     if run.sync is not None:
         row["outer_steps"] = run.sync.outer_steps  # of the run so far
         row["comm_bytes_per_outer_step"] = (stats.get("bytes_sent", 0.0)
-                                            / max(1, stats.get("comm_calls", 0)))
+                                            / max(1, stats.get("buckets", 0)))
     return row
 
 
@@ -576,10 +633,12 @@ def _checkpoint(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: 
     sharded = {}
     if cfg.parallel == "fsdp":  # model and optimizer: every rank writes its shards (DCP)
         with _signals_deferred():
-            sharded = {"sharded": ckpt.save_sharded(
-                run_dir, progress.global_step, fsdp.sharded_state(run.model, run.optimizer),
-                env.is_main)}
-        del shared["model"], shared["optimizer"]
+            sharded = {"sharded": ckpt.save_sharded(run_dir, progress.global_step,
+                                                    _sharded_state(run), env.is_main)}
+        del shared["model"]
+        shared.pop("optimizer", None), per_rank.pop("optimizer", None)
+        if run.mesh is not None:
+            sharded["replicas"] = run.mesh.size(0)
     ranks = dist_env.gather_object(_states(per_rank), env)
     written = error = None
     if env.is_main:
