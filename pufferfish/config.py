@@ -44,6 +44,8 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 SYNCS = ("ddp", "diloco")
 PARALLEL = ("ddp", "fsdp")
+# auto: each layer's fastest kernel, timed at the switch; a name: that kernel wherever a layer has it
+KERNELS = ("auto", "fused", "loop")
 # The automatic switch's default cap (max_warmup_epochs 0): a tenth of the run, the paper's warm-up,
 # but at least this many optimizer steps, which the short-run grids needed (docs/benchmarks.md).
 CAP_FRACTION, CAP_MIN_STEPS = 0.1, 150  # the optimizer state of the factors at the switch
@@ -81,6 +83,7 @@ class TrainConfig:
     keep: list[str] = field(default_factory=list)  # extra globs of layers kept full-rank, or auto
     keep_first: int = 0  # also keep the first K factorizable layers full-rank
     extra_bn: bool = False  # BatchNorm between the two factors of each conv
+    kernel: str = "auto"  # low-rank layers with several kernels (the LSTM's): auto (the fastest, timed at the switch), fused or loop
     frobenius_decay: float = 0.0  # λ of Frobenius decay on low-rank layers (0: plain weight decay)
     switch_momentum: str = "reset"  # at the switch: reset (the paper) or project onto the factors
     warmup_steps: float = 0.0  # switch before optimizer step N, or this fraction of the run if < 1 (0: off)
@@ -418,7 +421,8 @@ def choices() -> dict[str, tuple[str, ...]]:
             "schedule": SCHEDULES, "backend": ("auto", "gloo", "nccl"), "nonfinite": NONFINITE,
             "switch_momentum": SWITCH_MOMENTUM, "optimizer": OPTIMIZERS,
             "galore_proj_type": GALORE_PROJ_TYPES, "sync": SYNCS,
-            "outer_switch_momentum": SWITCH_MOMENTUM, "parallel": PARALLEL}
+            "outer_switch_momentum": SWITCH_MOMENTUM, "parallel": PARALLEL,
+            "kernel": KERNELS}
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -55,7 +55,8 @@ class PufferfishMethod(FullRankMethod):
             FactorizationPlan(cfg.ratio, "auto" if cfg.keep_auto else cfg.keep,
                               max_rank_ratio=cfg.max_rank_ratio,
                               preset=None if cfg.preset == "none" else cfg.preset,
-                              keep_first=cfg.keep_first, extra_bn=cfg.extra_bn))
+                              keep_first=cfg.keep_first, extra_bn=cfg.extra_bn,
+                              kernel=cfg.kernel))
 
     def setup(self, model: nn.Module, example_input: Any, cfg: TrainConfig) -> None:
         self.switch.plan.example_input = example_input

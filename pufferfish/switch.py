@@ -183,7 +183,8 @@ class FactorizationPlan:
 
     def __init__(self, rank_ratio: float | str = 0.25, keep: Iterable[str] | str = (),
                  max_rank_ratio: float | None = 0.25, preset: str | None = None,
-                 keep_first: int = 0, extra_bn: bool = False, example_input: Any = None) -> None:
+                 keep_first: int = 0, extra_bn: bool = False, example_input: Any = None,
+                 kernel: str = "auto") -> None:
         self.rank_ratio = rank_ratio
         self.max_rank_ratio = max_rank_ratio
         self.keep_auto = keep == "auto"
@@ -192,6 +193,7 @@ class FactorizationPlan:
         self.keep_first = keep_first
         self.extra_bn = extra_bn
         self.example_input = example_input
+        self.kernel = kernel  # "auto": timed at the switch; a name: that kernel, reproducibly
         self.report: FactorizationReport | None = None
         self.decisions: dict[str, Any] = {}  # what the automatic choices measured and chose
         self.ranks: dict[str, int] = {}  # factorized module -> rank
@@ -271,7 +273,9 @@ class FactorizationPlan:
         if sharded:  # every rank shards its own copy: they must be the same
             fsdp.check_replicated((n, p) for n, p in model.named_parameters()
                                   if not isinstance(p, DTensor))
-        if self.example_input is not None:
+        if self.kernel != "auto":
+            self._fix_kernels(model)
+        elif self.example_input is not None:
             self._choose_kernels(model)
         self.ranks = self.report.ranks
         self.kernels = {n: m.current_kernel() for n, m in model.named_modules()
@@ -286,6 +290,14 @@ class FactorizationPlan:
             model.get_submodule(name).use_kernel(k["kernel"])
         if kernels:
             self.decisions["kernels"] = kernels
+
+    def _fix_kernels(self, model: nn.Module) -> None:
+        """``kernel`` given: every layer that has it runs it. Timing can pick differently from
+        run to run on a loaded machine (the kernels round differently), so a fixed kernel is how
+        two runs, or a run and its resumption before the switch, stay bitwise equal."""
+        for module in model.modules():
+            if isinstance(module, LowRankModule) and self.kernel in module.kernel_options():
+                module.use_kernel(self.kernel)
 
     def rebuild(self, model: nn.Module) -> None:
         """Factorize ``model`` (fresh, dense) into the recorded architecture: ranks and kernels."""
