@@ -443,14 +443,14 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
 
 def test_interrupt_during_a_checkpoint_write_is_deferred(tmp_path: Path) -> None:
     """SIGINT while a checkpoint is written: the write completes, then KeyboardInterrupt."""
-    from pufferfish.training.loop import _signals_deferred
+    from pufferfish.training.guards import signals_deferred
 
     # Python's Ctrl-C handler, also where pytest was started with SIGINT ignored (a background
     # job of a non-interactive shell; there a deferred SIGINT is rightly ignored as well).
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     big = {"w": torch.zeros(2_000_000)}
     try:
-        with pytest.raises(KeyboardInterrupt), _signals_deferred():
+        with pytest.raises(KeyboardInterrupt), signals_deferred():
             os.kill(os.getpid(), signal.SIGINT)
             save_checkpoint(tmp_path, big, 1)
     finally:

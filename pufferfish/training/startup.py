@@ -257,8 +257,8 @@ def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: 
 
 # -- the run directory ---------------------------------------------------------------------------
 
-# The files a run writes into its directory besides its checkpoints (loop.py, metrics.py, the
-# bucket choices, and the
+# The files a run writes into its directory besides its checkpoints (build.py: config and the
+# bucket choices, metrics.py, and the
 # methods' change records: factorization, prune-round-N, channel-pruning). They make a directory
 # "an earlier run", and they and the checkpoint files are all that --overwrite removes.
 _RUN_FILE = r"(config\.toml|buckets\.json|metrics\.(jsonl|csv)|evals\.jsonl|(factorization|channel-pruning|prune-round-\d+)\.(txt|json))"
