@@ -7,7 +7,6 @@ Bucket counts are read where they happen: the comm hook is called once per bucke
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,13 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_reliability import SMALL
-from test_training import needs_fashion, run_cli, run_worker_pair
+from test_training import needs_fashion, report_to_parent, run_cli, run_worker_pair
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pufferfish as pf
 from pufferfish.distributed.buckets import MIB, BucketTuner, parse_bucket_mb
-from pufferfish.distributed.env import DistEnv, cleanup, exit_process, wrap_ddp
+from pufferfish.distributed.env import DistEnv, wrap_ddp
 from pufferfish.distributed.hooks import register_comm_hook
 
 CAP = 0.02  # MiB: a few of the MLP's 64x64 layers per bucket
@@ -96,22 +95,11 @@ def _recipe() -> dict[str, Any]:
 
 
 def _worker(rank: int, port: int, queue: Any) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    env = DistEnv(rank=rank, world_size=2, backend="gloo")
-    finished = False
-    try:
-        queue.put((rank, {"fixed": _fixed(env), "tuner": _tuner(), "recipe": _recipe()}))
-        finished = True
-    except Exception as error:  # report it to the parent instead of hanging it
-        queue.put((rank, repr(error)))
-        raise
-    finally:
-        queue.close()
-        queue.join_thread()
-        cleanup(drain=finished)
-    exit_process(0)
+    def work() -> dict[str, Any]:
+        env = DistEnv(rank=rank, world_size=2, backend="gloo")
+        return {"fixed": _fixed(env), "tuner": _tuner(), "recipe": _recipe()}
+
+    report_to_parent(rank, port, queue, work)
 
 
 @pytest.fixture(scope="module")

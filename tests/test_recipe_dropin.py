@@ -9,20 +9,19 @@ the recipe is built, bad keep patterns at the first call.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from test_training import run_worker_pair
+from test_training import report_to_parent, run_worker_pair
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import lr_scheduler
 
 import pufferfish as pf
-from pufferfish.distributed.env import cleanup, ddp_options, exit_process
+from pufferfish.distributed.env import ddp_options
 from pufferfish.lowrank import LowRankModule
 
 
@@ -378,12 +377,8 @@ def _mixed_precision_rewrap() -> dict[str, Any]:
 
 
 def _ddp_worker(rank: int, port: int, queue: Any) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    finished = False
-    try:
-        results = {
+    def work() -> dict[str, Any]:
+        return {
             "options": _ddp_run(rank, dict(find_unused_parameters=True, broadcast_buffers=False,
                                            gradient_as_bucket_view=True, bucket_cap_mb=1),
                                 hook="counting"),
@@ -393,16 +388,7 @@ def _ddp_worker(rank: int, port: int, queue: Any) -> None:
                                 on_wrap=_on_wrap_topk),
             "mixed_precision": _mixed_precision_rewrap(),
         }
-        queue.put((rank, results))
-        finished = True
-    except Exception as error:  # report it to the parent instead of hanging it
-        queue.put((rank, repr(error)))
-        raise
-    finally:
-        queue.close()
-        queue.join_thread()  # the result is sent before the process ends
-        cleanup(drain=finished)  # comm hooks ran: drained teardown, then no interpreter shutdown
-    exit_process(0)
+    report_to_parent(rank, port, queue, work)
 
 
 @pytest.fixture(scope="module")

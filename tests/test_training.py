@@ -62,6 +62,27 @@ def killed_and_resumed(args: list[str], tmp_path: Path, kill_step: int) -> tuple
     return ref, run
 
 
+def report_to_parent(rank: int, port: int, queue: Any, work: Any) -> None:
+    """Worker side of :func:`run_worker_pair`: join a 2-process gloo group, put ``(rank,
+    work())`` on ``queue`` (or the error's repr, so the parent fails instead of hanging), then
+    a drained teardown and no interpreter shutdown (pufferfish.distributed.env)."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    finished = False
+    try:
+        queue.put((rank, work()))
+        finished = True
+    except Exception as error:
+        queue.put((rank, repr(error)))
+        raise
+    finally:
+        queue.close()
+        queue.join_thread()  # the result is sent before the process ends
+        cleanup(drain=finished)
+    exit_process(0)
+
+
 def run_worker_pair(target: Any, timeout: float = 180) -> dict[int, Any]:
     """``target(rank, port, queue)`` in two spawned processes; rank -> the dict it put on the
     queue (a worker that failed puts its error's repr instead, which fails here)."""
