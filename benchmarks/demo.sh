@@ -8,7 +8,7 @@
 # 3.3x fewer bytes, for 4 (1 full-rank warm-up + 3 low-rank) in less time. Then the table and the
 # plot of test accuracy against wall-clock time. Without link emulation it says why, trains over
 # loopback (where the extra epoch is not free) and projects the measured steps to slower links.
-# About 13 minutes on 2 idle CPU cores with installation (docs/benchmarks.md). Settings: LINK (a
+# About 11 minutes on 2 idle CPU cores with installation (docs/benchmarks.md). Settings: LINK (a
 # rate, or loopback), IMAGES (training images, 0: all), EPOCHS (DDP's), PUFFERFISH_EPOCHS, BUCKETS, RECIPE
 # (a train config for the other options), OUT, and EXTRA (more `pufferfish bench --train` flags).
 set -euo pipefail
@@ -32,10 +32,10 @@ else
   BW=loopback
   echo "=== no emulated link here ($why): training over loopback, then projecting to slow links"
 fi
-# Torch's default DDP buckets, with which the README's figures were measured (BUCKETS=auto: each
-# run's buckets timed and chosen for its model, `--bucket-mb auto`; not yet measured here).
+# BUCKETS: DDP's gradient buckets, `auto` (the product's default: timed and chosen for each run's
+# model, again after the switch), `torch` (torch's default) or a cap in MiB.
 TRAIN=(--train-subset "$IMAGES" --epochs "$EPOCHS" --method-epochs "pufferfish=$PUFFERFISH_EPOCHS"
-       --warmup-epochs 1 --bucket-mb "${BUCKETS:-torch}")
+       --warmup-epochs 1 --bucket-mb "${BUCKETS:-auto}")
 [ -n "$RECIPE" ] && TRAIN+=(--train-config "$RECIPE")
 echo "=== pufferfish bench --train ${MODEL[*]} --methods ddp,pufferfish --bandwidth $BW ${TRAIN[*]}"
 echo "    (the first $IMAGES training images (0: all 60,000) and all 10,000 test images; 2 processes, one core each; each method"
