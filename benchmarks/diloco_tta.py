@@ -1,6 +1,7 @@
 """Time to a target test loss over slow links, from the runs of ``benchmarks/diloco.sh``.
 
-Usage: ``python benchmarks/diloco_tta.py RUNS_DIR [--target LOSS] [--links 1e9,1e8,1e7]``
+Usage: ``python benchmarks/diloco_tta.py RUNS_DIR [--target LOSS] [--links 1e9,1e8,1e7]
+[--compute-like RUN=REF,...]``
 
 The loss per epoch does not depend on the link; the time does. Each epoch's time over a link of
 ``B`` bit/s is the run's own measured ``compute_time`` (2 processes over loopback) plus its
@@ -45,13 +46,15 @@ def _points(run: Path, rows: list[dict], steps: int) -> list[tuple[int, float]]:
     return sorted(set(ends + inner))
 
 
-def _clock(rows: list[dict], steps: int, step: int, bps: float) -> float:
+def _clock(rows: list[dict], steps: int, step: int, bps: float,
+           compute_per_step: float | None = None) -> float:
     """Seconds to ``step`` global steps over ``bps``: each step at its epoch's compute time per
-    step plus its bytes per step on the wire."""
+    step (or ``compute_per_step``) plus its bytes per step on the wire."""
     t, start = 0.0, 0
     for r in rows:
         n = r.get("steps", steps)
-        per_step = r["compute_time"] / n + 8 * r["comm_bytes_per_step"] / bps
+        compute = r["compute_time"] / n if compute_per_step is None else compute_per_step
+        per_step = compute + 8 * r["comm_bytes_per_step"] / bps
         t += per_step * max(0, min(step, start + n) - start)
         start += n
     return t
@@ -62,9 +65,19 @@ def main() -> None:
     ap.add_argument("runs", type=Path)
     ap.add_argument("--target", type=float, default=0.0)
     ap.add_argument("--links", default="1e9,1e8,1e7", help="bit/s")
+    ap.add_argument("--compute-like", default="",
+                    help="RUN=REF,...: time RUN's steps at REF's mean compute per step (for a run "
+                         "that shared the cores with other jobs; REF: an idle run of the same model)")
     args = ap.parse_args()
     dirs = {p.name: p for p in sorted(args.runs.iterdir()) if (p / "metrics.jsonl").is_file()}
     runs = {name: _rows(p) for name, p in dirs.items()}
+    like = dict(pair.split("=", 1) for pair in args.compute_like.split(",") if pair)
+    for name, ref in like.items():
+        if name not in runs or ref not in runs:
+            ap.error(f"--compute-like {name}={ref}: both must be runs in {args.runs} "
+                     f"(found: {', '.join(runs)})")
+    mean_compute = {name: sum(r["compute_time"] for r in rows)
+                    / sum(r.get("steps", 1) for r in rows) for name, rows in runs.items()}
     steps = next(r["steps"] for rows in runs.values() for r in rows if "steps" in r)
     target = args.target or _loss(runs["ddp"][-1]) * 1.02
     links = [float(x) for x in args.links.split(",")]
@@ -86,7 +99,9 @@ def main() -> None:
                  f"{sum(per_epoch) / 1e6:.1f}",
                  "-" if at is None else f"{_bytes_to(rows, steps, at) / 1e6:.1f} (step {at})"]
         for b in links:
-            cells.append("not reached" if at is None else f"{_clock(rows, steps, at, b):.0f} s")
+            compute = mean_compute[like[name]] if name in like else None
+            cells.append("not reached" if at is None
+                         else f"{_clock(rows, steps, at, b, compute):.0f} s")
         print("| " + " | ".join(cells) + " |")
 
 
