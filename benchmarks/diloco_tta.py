@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 
@@ -74,8 +75,9 @@ def main() -> None:
     like = dict(pair.split("=", 1) for pair in args.compute_like.split(",") if pair)
     for name, ref in like.items():
         if name not in runs or ref not in runs:
-            ap.error(f"--compute-like {name}={ref}: both must be runs in {args.runs} "
-                     f"(found: {', '.join(runs)})")
+            print(f"diloco_tta.py: --compute-like {name}={ref}: both must be runs in "
+                  f"{args.runs} (found: {', '.join(runs)})", file=sys.stderr)
+            sys.exit(2)
     mean_compute = {name: sum(r["compute_time"] for r in rows)
                     / sum(r.get("steps", 1) for r in rows) for name, rows in runs.items()}
     steps = next(r["steps"] for rows in runs.values() for r in rows if "steps" in r)
