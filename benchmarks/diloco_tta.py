@@ -1,7 +1,7 @@
 """Time to a target test loss over slow links, from the runs of ``benchmarks/diloco.sh``.
 
 Usage: ``python benchmarks/diloco_tta.py RUNS_DIR [--target LOSS] [--links 1e9,1e8,1e7]
-[--compute-like RUN=REF,...]``
+[--compute-like RUN=REF,...] [--interpolate]``
 
 The loss per epoch does not depend on the link; the time does. Each epoch's time over a link of
 ``B`` bit/s is the run's own measured ``compute_time`` (2 processes over loopback) plus its
@@ -47,7 +47,7 @@ def _points(run: Path, rows: list[dict], steps: int) -> list[tuple[int, float]]:
     return sorted(set(ends + inner))
 
 
-def _clock(rows: list[dict], steps: int, step: int, bps: float,
+def _clock(rows: list[dict], steps: int, step: float, bps: float,
            compute_per_step: float | None = None) -> float:
     """Seconds to ``step`` global steps over ``bps``: each step at its epoch's compute time per
     step (or ``compute_per_step``) plus its bytes per step on the wire."""
@@ -66,6 +66,9 @@ def main() -> None:
     ap.add_argument("runs", type=Path)
     ap.add_argument("--target", type=float, default=0.0)
     ap.add_argument("--links", default="1e9,1e8,1e7", help="bit/s")
+    ap.add_argument("--interpolate", action="store_true",
+                    help="the step where the loss crosses the target, linear between the two "
+                         "evaluations around it (default: the first evaluation at or below it)")
     ap.add_argument("--compute-like", default="",
                     help="RUN=REF,...: time RUN's steps at REF's mean compute per step (for a run "
                          "that shared the cores with other jobs; REF: an idle run of the same model)")
@@ -92,14 +95,14 @@ def main() -> None:
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for name, rows in runs.items():
         per_epoch = [r.get("steps", steps) * r["comm_bytes_per_step"] for r in rows]
-        at = next((s for s, loss in _points(dirs[name], rows, steps) if loss <= target), None)
+        at = _reached(_points(dirs[name], rows, steps), target, args.interpolate)
         last = rows[-1]
         ppl = last.get("test_ppl", last.get("val_ppl"))
         final = f"{ppl:.2f}" if ppl is not None else f"{100 * last['test_acc']:.2f}%"
         cells = [name, final,
                  f"{sum(per_epoch) / sum(r.get('steps', steps) for r in rows) / 1e6:.3f}",
                  f"{sum(per_epoch) / 1e6:.1f}",
-                 "-" if at is None else f"{_bytes_to(rows, steps, at) / 1e6:.1f} (step {at})"]
+                 "-" if at is None else f"{_bytes_to(rows, steps, at) / 1e6:.1f} (step {at:.0f})"]
         for b in links:
             compute = mean_compute[like[name]] if name in like else None
             cells.append("not reached" if at is None
@@ -107,7 +110,22 @@ def main() -> None:
         print("| " + " | ".join(cells) + " |")
 
 
-def _bytes_to(rows: list[dict], steps: int, step: int) -> float:
+def _reached(points: list[tuple[int, float]], target: float, interpolate: bool) -> float | None:
+    """The global step at which the loss first reaches ``target``: the first evaluation at or
+    below it, or, interpolating, where the line between it and the evaluation before crosses it
+    (an evaluation every 100 steps makes the first rule a step function of the target)."""
+    before = None
+    for step, loss in points:
+        if loss <= target:
+            if not interpolate or before is None:
+                return step
+            (s0, l0) = before
+            return s0 + (step - s0) * (l0 - target) / (l0 - loss)
+        before = (step, loss)
+    return None
+
+
+def _bytes_to(rows: list[dict], steps: int, step: float) -> float:
     """Bytes sent in the first ``step`` global steps."""
     sent, start = 0.0, 0
     for r in rows:

@@ -37,3 +37,13 @@ def test_an_unknown_reference_is_one_line_and_exit_2() -> None:
     bad = tta("--compute-like", "diloco=nope")
     assert bad.returncode == 2
     assert len(bad.stderr.strip().splitlines()) == 1 and "--compute-like diloco=nope" in bad.stderr
+
+
+def test_interpolate_finds_the_crossing_between_two_evaluations() -> None:
+    first, line = tta(), tta("--interpolate")
+    assert first.returncode == line.returncode == 0, first.stderr + line.stderr
+    # DDP's validation loss crosses 4.7622 between its evaluations at steps 100 and 200
+    assert row(first.stdout, "ddp")[4].endswith("(step 200)")
+    assert row(line.stdout, "ddp")[4].endswith("(step 137)")
+    assert float(row(line.stdout, "ddp")[-1].removesuffix(" s")) < float(
+        row(first.stdout, "ddp")[-1].removesuffix(" s"))
