@@ -75,12 +75,14 @@ def main() -> None:
     args = ap.parse_args()
     dirs = {p.name: p for p in sorted(args.runs.iterdir()) if (p / "metrics.jsonl").is_file()}
     runs = {name: _rows(p) for name, p in dirs.items()}
-    like = dict(pair.split("=", 1) for pair in args.compute_like.split(",") if pair)
-    for name, ref in like.items():
+    like = {}
+    for pair in filter(None, args.compute_like.split(",")):
+        name, _, ref = pair.partition("=")
         if name not in runs or ref not in runs:
-            print(f"diloco_tta.py: --compute-like {name}={ref}: both must be runs in "
+            print(f"diloco_tta.py: --compute-like {pair}: allowed RUN=REF, both runs in "
                   f"{args.runs} (found: {', '.join(runs)})", file=sys.stderr)
             sys.exit(2)
+        like[name] = ref
     mean_compute = {name: sum(r["compute_time"] for r in rows)
                     / sum(r.get("steps", 1) for r in rows) for name, rows in runs.items()}
     steps = next(r["steps"] for rows in runs.values() for r in rows if "steps" in r)
