@@ -32,7 +32,7 @@ def test_rows_compare_initialization_with_the_checkpoint(tmp_path: Path) -> None
     assert rows and all(not r[0].strip().startswith("layers.0.") for r in rows)
     assert len(rows) % 7 == 0
     for row in rows:
-        spread, energy, rms = (cell.split("->") for cell in (row[2], row[5], row[6]))
+        spread, energy = (cell.split("->") for cell in (row[2], row[5]))
         assert all(float(s) >= 1.0 for s in spread)
         assert all(0.0 < float(e) <= 1.0 for e in energy)
     assert any(float(a) != float(b) for a, b in (r[6].split("->") for r in rows))
