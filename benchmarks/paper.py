@@ -33,8 +33,8 @@ from pufferfish.training.metrics import quality_key, read_metrics
 from pufferfish.training.report import compare_runs
 
 RUN_NAME = re.compile(
-    r"^(?P<method>full|puffproj|puffkeep1|pufflate|puffpsgd|puffw2|puffw50|puff|lowrank|auto|psgd"
-    r"|galore)-s(?P<seed>\d+)$")
+    r"^(?P<method>full|puffproj|puffkeep1|pufflate|puffpsgd|puffw2|puffw50|puffw5proj|puff|lowrank"
+    r"|auto|psgd|galore)-s(?P<seed>\d+)$")
 # An equal wall-clock budget (`make demo`'s comparison): DDP for E epochs against Pufferfish for
 # the N that fit in the same time over 100 Mbit/s, runs named full{E}-s{seed} and puff{N}-s{seed}.
 EQUAL_BUDGET = ((3, 4), (4, 6), (5, 7))
@@ -43,6 +43,7 @@ BUDGET_RUN = re.compile(r"^(?P<method>full|puff)(?P<epochs>\d+)-s(?P<seed>\d+)$"
 VARIANTS = {"puffproj": "momentum projected", "puffkeep1": "`layer1` kept",
             "pufflate": "switch at the first LR drop", "auto": "auto",
             "puffpsgd": "with PowerSGD", "puffw2": "warm-up 2", "puffw50": "switch at half the run",
+            "puffw5proj": "switch at 5%, moments projected",
             "galore": "GaLore (full rank, projected optimizer)"}
 WHAT_DIFFERS = (
     "The paper trains ResNet-18 and VGG-19-BN at full width on CIFAR-10 (300 epochs), ResNet-50 on "
