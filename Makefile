@@ -27,10 +27,12 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-# Real data from Debian: Fashion-MNIST (gzipped IDX files) and the KJV Bible (`bible` program).
+# Real data from Debian: Fashion-MNIST (gzipped IDX files), the KJV Bible (`bible` program) and
+# the GCIDE dictionary (dictd files: --data kjv+gcide).
 data:
-	@if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || ! command -v bible >/dev/null; then \
-		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q dataset-fashion-mnist bible-kjv; \
+	@if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || ! command -v bible >/dev/null \
+			|| [ ! -f /usr/share/dictd/gcide.dict.dz ]; then \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q dataset-fashion-mnist bible-kjv dict-gcide; \
 	fi
 
 lint: setup-test

@@ -124,6 +124,7 @@ class TrainConfig:
     seq_len: int = 256  # llama: tokens per packed sequence (the model's RoPE table is this long)
     vocab_size: int = 4096  # llama: tokens of the byte-level BPE trained on the corpus
     eval_every_steps: int = 0  # also evaluate every N optimizer steps (0: at epoch ends only)
+    tokens_per_param: float = 0.0  # llama: train on N x the full-rank model's parameters in tokens, in the fewest passes <= --epochs (0: --epochs over --train-subset)
     # Distributed
     backend: str = "auto"  # process-group backend: auto is nccl on CUDA, gloo on CPU
     parallel: str = "ddp"  # ddp (replicas, comm hooks) or fsdp (FSDP2: weights, grads, optimizer state sharded)
@@ -173,8 +174,8 @@ class TrainConfig:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
         _positive("keep_checkpoints", self.keep_checkpoints)
         for name in ("weight_decay", "grad_clip", "lr_warmup_epochs", "frobenius_decay", "momentum",
-                     "switch_threshold"):
-            if not getattr(self, name) >= 0:
+                     "switch_threshold", "tokens_per_param"):
+            if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
         if self.model == "llama":
             self._validate_llama()

@@ -1,10 +1,15 @@
 """Byte-level BPE token streams for decoder LMs, the tokenizer trained on the corpus and cached.
 
-The lines (KJV verses, or a text file's lines) are split as the word-level LM splits them
-(:func:`~pufferfish.data.text.split_lines`, interleaved: verses 1-90 of every 100 train, 91-95
-validation, 96-100 test), so no verse is in two splits. A byte-level BPE (``tokenizers``) is
-trained on the training lines only; every line is encoded followed by one ``<|endoftext|>`` and
-the lines are concatenated into one stream per split.
+Corpora: ``kjv`` (the verses), ``kjv+gcide`` (the verses and the GCIDE dictionary's entries,
+:mod:`pufferfish.data.gcide`: about 10x the KJV) or a UTF-8 text file (its lines). Each line is a
+document, and each source is split by document as the word-level LM splits lines
+(:func:`~pufferfish.data.text.split_lines`, interleaved: documents 1-90 of every 100 train, 91-95
+validation, 96-100 test), so no document is in two splits. For ``kjv+gcide`` a validation or test
+document whose exact text is also a training document (a dictionary's repeated "Syn:" line, a
+verse said twice) is left out of its split, so repeated passages are never scored as unseen. A
+byte-level BPE (``tokenizers``) is trained on the training documents only; every document is
+encoded followed by one ``<|endoftext|>`` and the documents are concatenated into one stream per
+split.
 
 Cache: ``<cache_dir>/<name>.bpe<vocab>-<digest>.tokenizer.json`` and ``.tokens.pt`` (the three
 streams), where the digest is SHA-256 over the corpus's lines and every setting (vocabulary,
@@ -28,14 +33,21 @@ import torch
 
 from ..formatting import one_line
 from .errors import DataError
+from .gcide import load_gcide
 from .text import load_kjv, load_text_file, split_lines
 
-__all__ = ["EOT", "MIN_VOCAB", "BPECorpus", "corpus_lines", "default_cache_dir", "load_bpe_corpus"]
+__all__ = ["BPE_CORPORA", "EOT", "MIN_VOCAB", "BPECorpus", "corpus_lines", "corpus_splits",
+           "default_cache_dir", "load_bpe_corpus"]
 
 EOT = "<|endoftext|>"
 MIN_VOCAB = 257  # the 256 byte tokens of a byte-level BPE and <|endoftext|>
 MIN_FREQUENCY = 2  # a merge needs a pair seen at least twice
 SPLIT = {"valid_frac": 0.05, "test_frac": 0.05, "mode": "interleaved"}
+# Named corpora: their sources, each split by document on its own, and whether validation and
+# test drop documents repeated in training (kjv keeps its split of earlier results).
+BPE_CORPORA: dict[str, tuple[tuple[str, ...], bool]] = {
+    "kjv": (("kjv",), False), "bible": (("kjv",), False), "kjv+gcide": (("kjv", "gcide"), True)}
+_SOURCES: dict[str, Callable[[], list[str]]] = {"kjv": load_kjv, "gcide": load_gcide}
 
 
 @dataclass
@@ -51,13 +63,46 @@ class BPECorpus:
 
 
 def corpus_lines(name: str) -> tuple[list[str], str]:
-    """The lines of ``kjv`` (the verses) or of a UTF-8 text file, and a short name for files."""
-    if name.strip().lower() in ("kjv", "bible"):
-        return load_kjv(), "kjv"
+    """The lines of a named corpus (``kjv``, ``kjv+gcide``) or of a UTF-8 text file, and a short
+    name for files."""
+    key = name.strip().lower()
+    if key in BPE_CORPORA:
+        return [line for source in BPE_CORPORA[key][0] for line in _SOURCES[source]()], \
+            key.replace("+", "-").replace("bible", "kjv")
     path = Path(name).expanduser()
     if path.is_file():
         return load_text_file(path), path.stem
-    raise DataError(f"data {name!r} is no text corpus: allowed kjv or a path to a UTF-8 text file")
+    looks_like_file = bool(path.suffix) or "/" in name
+    raise DataError(f"data {name!r}: " + ("no such file" if looks_like_file else "no such corpus")
+                    + f"; allowed {', '.join(BPE_CORPORA)} or a path to a UTF-8 text file")
+
+
+def corpus_splits(name: str) -> tuple[tuple[list[str], list[str], list[str]], str, list[str]]:
+    """(train, valid, test) documents of corpus ``name``, its short name and all its lines (the
+    digest's input): each source split by document, repeats dropped where the corpus says so."""
+    key = name.strip().lower()
+    sources, dedupe = BPE_CORPORA.get(key, ((), False))
+    if not sources:
+        lines, stem = corpus_lines(name)
+        return _split(lines), stem, lines
+    parts = [_SOURCES[source]() for source in sources]
+    train: list[str] = []
+    valid: list[str] = []
+    test: list[str] = []
+    for lines in parts:
+        a, b, c = _split(lines)
+        train, valid, test = train + a, valid + b, test + c
+    if dedupe:
+        seen = set(train)
+        valid = [d for d in valid if d not in seen]
+        test = [d for d in test if d not in seen and d not in set(valid)]
+    stem = key.replace("+", "-").replace("bible", "kjv")
+    return (train, valid, test), stem, [line for lines in parts for line in lines]
+
+
+def _split(lines: list[str]) -> tuple[list[str], list[str], list[str]]:
+    return split_lines(lines, SPLIT["valid_frac"], SPLIT["test_frac"],
+                       SPLIT["mode"])  # type: ignore[arg-type]
 
 
 def default_cache_dir(name: str) -> Path:
@@ -75,11 +120,11 @@ def load_bpe_corpus(name: str, vocab_size: int, cache_dir: str | os.PathLike[str
     if vocab_size < MIN_VOCAB:
         raise DataError(f"vocab_size {vocab_size} is too small for a byte-level BPE: allowed >= "
                         f"{MIN_VOCAB} (256 bytes and {EOT})")
-    lines, stem = corpus_lines(name)
-    train, valid, test = split_lines(lines, SPLIT["valid_frac"], SPLIT["test_frac"],
-                                     SPLIT["mode"])  # type: ignore[arg-type]
+    (train, valid, test), stem, lines = corpus_splits(name)
     settings = {"vocab_size": vocab_size, "min_frequency": MIN_FREQUENCY, "split": SPLIT,
                 "tokenizers": tokenizers.__version__, "format": 1}
+    if BPE_CORPORA.get(name.strip().lower(), ((), False))[1]:  # kjv's digest stays as it was
+        settings["dedupe"] = BPE_CORPORA[name.strip().lower()]
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     for line in lines:
         digest.update(line.encode("utf-8") + b"\n")

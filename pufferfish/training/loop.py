@@ -46,6 +46,7 @@ from ..distributed.buckets import BucketTuner
 from ..distributed.env import DistEnv
 from . import checkpoint as ckpt
 from . import faults, optim, startup, tasks
+from .budget import resolve_token_budget
 from .build import (
     SYNC_FIELDS,
     ddp,
@@ -84,7 +85,6 @@ def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]
     The group is gone when this returns (drained first) or raises (not drained: end the process
     with :func:`pufferfish.distributed.env.exit_process`, as ``python -m pufferfish`` does).
     """
-    method = method if method is not None else build_method(cfg)
     try:
         env = dist_env.setup(cfg.backend, cfg.timeout_s)
     except RuntimeError as e:
@@ -105,6 +105,8 @@ def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]
                           "launch under torchrun (--nproc-per-node 1 works)")
     finished = False  # every rank ran to the end: the group can be drained (see cleanup)
     try:
+        cfg = resolve_token_budget(cfg, env)  # --tokens-per-param: epochs and train_subset
+        method = method if method is not None else build_method(cfg)
         rows = _train(cfg, env, method)
         finished = True
         return rows
@@ -169,6 +171,8 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
             _start_epoch(cfg, env, run, method, task, run_dir)
         row = _train_epoch(cfg, env, run, method, task, run_dir, evals)
         row.update(task.evaluate(run.model, env))
+        if epoch + 1 == total:  # the reported figures (the LM's test split), after the last epoch
+            row.update(task.final_metrics(run.model, env))
         if run.figures is None:  # recounted only when the method changed the model
             with _eager():
                 run.figures = method.model_figures(run.model, task.example_input(env.device))

@@ -3,11 +3,13 @@
 Data: :func:`pufferfish.data.load_bpe_corpus` (a byte-level BPE of ``--vocab-size`` tokens trained
 on the training verses, cached in ``--data-dir`` or its default), cut into windows of
 ``--seq-len`` tokens (:class:`pufferfish.data.PackedLoader`); ``--train-subset N`` keeps the first
-N training tokens, ``--test-subset N`` the first N validation tokens. Rank 0 builds the cache,
-then the others read it, so every rank has the same tokenizer.
+N training tokens, ``--test-subset N`` the first N validation (and test) tokens. Rank 0 builds
+the cache, then the others read it, so every rank has the same tokenizer.
 
-Evaluation is on the validation split (no verse of it is in training), cut into the same windows
-on any number of processes, the ranks taking every ``world``-th: the loss is that of one process.
+Evaluation is on the validation split (no document of it is in training) after every epoch and
+``--eval-every-steps``: what choices are made on; the test split once, after the last epoch
+(``test_loss``, ``test_ppl``): what is reported. Both are cut into the same windows on any number
+of processes, the ranks taking every ``world``-th: the loss is that of one process.
 ``tokens_per_s`` is the training throughput of all ranks since the epoch started, evaluation time
 excluded.
 """
@@ -30,23 +32,28 @@ from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 from ..formatting import one_line
 
-__all__ = ["PackedLMTask"]
+__all__ = ["PackedLMTask", "load_corpus"]
 
 
 class PackedLMTask:
     def __init__(self, cfg: TrainConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
-        self.corpus = _load_on_rank0_first(cfg, env)
+        self.corpus = load_corpus(cfg, env)
         train = self.corpus.train[:cfg.train_subset] if cfg.train_subset else self.corpus.train
-        valid = self.corpus.valid[:cfg.test_subset] if cfg.test_subset else self.corpus.valid
         self.train_loader = datasets.PackedLoader(train, cfg.seq_len, cfg.batch_size,
                                                   seed=cfg.seed, rank=env.rank,
                                                   world_size=env.world_size)
-        inputs, targets = windows(valid, cfg.seq_len)
-        self.valid = inputs[env.rank::env.world_size], targets[env.rank::env.world_size]
+        self.valid, self.test = (self._shard(split) for split in (self.corpus.valid,
+                                                                  self.corpus.test))
         self.model = models.build_at_width("llama", cfg.width, vocab_size=self.corpus.vocab_size,
                                            max_len=cfg.seq_len)
         self.start_epoch(0)
+
+    def _shard(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's windows of an evaluation split (``--test-subset``: its first N tokens)."""
+        stream = stream[:self.cfg.test_subset] if self.cfg.test_subset else stream
+        inputs, targets = windows(stream, self.cfg.seq_len)
+        return inputs[self.env.rank::self.env.world_size], targets[self.env.rank::self.env.world_size]
 
     def start_epoch(self, epoch: int) -> None:
         self.tokens, self.seconds, self._since = 0, 0.0, None
@@ -68,15 +75,32 @@ class PackedLMTask:
         logits = model(inputs)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module, env: DistEnv) -> dict[str, float]:
+        """Validation loss and perplexity, and the training throughput since the last one."""
         started = time.perf_counter()
         if self._since is not None:
             self.seconds += started - self._since
+        loss = self._loss_on(model, env, self.valid)
+        trained, seconds = dist_env.all_reduce_sum([self.tokens, self.seconds], env)
+        if self._since is not None:
+            self._since = time.perf_counter()
+        mean_seconds = seconds / env.world_size
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
+                "tokens_per_s": trained / mean_seconds if mean_seconds > 0 else 0.0}
+
+    def final_metrics(self, model: nn.Module, env: DistEnv) -> dict[str, float]:
+        """After the last epoch: the test split's loss and perplexity (the reported figures)."""
+        loss = self._loss_on(model, env, self.test)
+        return {"test_loss": loss, "test_ppl": math.exp(min(loss, 50.0))}
+
+    @torch.no_grad()
+    def _loss_on(self, model: nn.Module, env: DistEnv,
+                 split: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """Mean cross-entropy per token over all ranks' windows of ``split``."""
         model.eval()
         device = next(model.parameters()).device
         total, tokens = 0.0, 0
-        inputs, targets = self.valid
+        inputs, targets = split
         for i in range(0, len(inputs), self.cfg.batch_size):
             x = inputs[i:i + self.cfg.batch_size].to(device)
             y = targets[i:i + self.cfg.batch_size].to(device)
@@ -85,20 +109,14 @@ class PackedLMTask:
                                      reduction="sum").item()
             tokens += y.numel()
         model.train()
-        total, tokens, trained, seconds = dist_env.all_reduce_sum(
-            [total, tokens, self.tokens, self.seconds], env)
-        if self._since is not None:
-            self._since = time.perf_counter()
-        loss = total / max(1, tokens)
-        mean_seconds = seconds / env.world_size
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
-                "tokens_per_s": trained / mean_seconds if mean_seconds > 0 else 0.0}
+        total, tokens = dist_env.all_reduce_sum([total, tokens], env)
+        return total / max(1, tokens)
 
     def example_input(self, device: torch.device) -> torch.Tensor:
         return torch.zeros((1, self.cfg.seq_len), dtype=torch.long, device=device)
 
 
-def _load_on_rank0_first(cfg: TrainConfig, env: DistEnv) -> datasets.BPECorpus:
+def load_corpus(cfg: TrainConfig, env: DistEnv) -> datasets.BPECorpus:
     """Rank 0 trains (or finds) the tokenizer and writes the cache; then the others read it.
     An error on rank 0 (a vocabulary the corpus cannot fill) is raised on every rank."""
     corpus, error = None, None

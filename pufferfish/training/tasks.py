@@ -49,6 +49,7 @@ class Task(Protocol):
     def to_device(self, batch: Any, device: torch.device) -> Any: ...
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor: ...
     def evaluate(self, model: nn.Module, env: DistEnv) -> dict[str, float]: ...
+    def final_metrics(self, model: nn.Module, env: DistEnv) -> dict[str, float]: ...
     def example_input(self, device: torch.device) -> Any: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -111,6 +112,10 @@ class ImageTask:
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(model(x), y)
+
+    def final_metrics(self, model: nn.Module, env: DistEnv) -> dict[str, float]:
+        """Nothing beyond :meth:`evaluate`: its figures are already the test split's."""
+        return {}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, env: DistEnv) -> dict[str, float]:
@@ -196,6 +201,10 @@ class LanguageTask:
         logits, hidden = self._forward(model, data, self.hidden)
         self.hidden = None if hidden is None else tuple(h.detach() for h in hidden)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+    def final_metrics(self, model: nn.Module, env: DistEnv) -> dict[str, float]:
+        """Nothing beyond :meth:`evaluate`: its figures are already the test split's."""
+        return {}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, env: DistEnv) -> dict[str, float]:

@@ -1,0 +1,239 @@
+"""The language-model budget study: does Pufferfish's full-rank warm-up matter at N tokens/param?
+
+llama width 0.125 (dim 64, 8 layers, 0.56M parameters at vocabulary 1,024) on ``kjv+gcide``,
+2 processes x 64 sequences x 128 tokens = 16,384 tokens per step, AdamW with the LM recipe (10%
+LR warm-up, cosine, weight decay 0.1, clip 1.0); validation every 100 steps (for choosing), test
+once at the end (for reporting), both on the first 262,144 tokens of their splits.
+
+    python benchmarks/lm_budget.py run OUT [--phase lr|seeds] [--methods a,b] [--dry-run]
+    python benchmarks/lm_budget.py summary OUT [--md FILE] [--png FILE]
+
+``run`` works through a queue and keeps every finished run (a run directory whose last metrics
+row has ``test_ppl``), so the study grows across sessions: phase ``lr`` is each method at each LR
+of its grid at 20 tokens per parameter, seed 0, in an order that gives every method one LR before
+any gets a second; phase ``seeds`` is seeds 0-2 at 1, 5 and 20 tokens per parameter at each
+method's LR chosen on validation by phase ``lr``. ``summary`` prints the tables, the LR chosen per
+method, the decision rule's verdict per budget, and plots test perplexity against tokens per
+parameter.
+
+The decision rule, fixed before the runs: at a budget, the warm-up matters when full rank beats
+low rank from the start by more than twice the larger seed spread (max - min over 3 seeds), and
+Pufferfish recovers at least half of that gap (its mean is at most halfway from full rank's to
+low rank's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BASE = ["--model", "llama", "--data", "kjv+gcide", "--width", "0.125", "--seq-len", "128",
+        "--vocab-size", "1024", "--batch-size", "64", "--eval-every-steps", "100",
+        "--test-subset", "262144", "--bucket-mb", "torch", "--threads", "1", "--no-progress",
+        "--epochs", "4"]
+# name -> (flags, LR grid): the same number of trials for every method
+METHODS: dict[str, tuple[list[str], list[float]]] = {
+    "full": (["--mode", "full"], [3e-3, 1e-2, 1e-3]),
+    "lowrank": (["--mode", "lowrank"], [3e-3, 1e-2, 1e-3]),
+    "puff10proj": (["--mode", "pufferfish", "--warmup-steps", "0.10",
+                    "--switch-momentum", "project"], [3e-3, 1e-2, 1e-3]),
+    "puff25reset": (["--mode", "pufferfish", "--warmup-steps", "0.25"], [3e-3, 1e-2, 1e-3]),
+    "puff10reset": (["--mode", "pufferfish", "--warmup-steps", "0.10"], [3e-3, 1e-2, 1e-3]),
+    "puff25proj": (["--mode", "pufferfish", "--warmup-steps", "0.25",
+                    "--switch-momentum", "project"], [3e-3, 1e-2, 1e-3]),
+    "galore": (["--mode", "galore", "--galore-scale", "0.25"], [1e-2, 3e-2, 3e-3]),
+}
+LR_BUDGET, BUDGETS, SEEDS = 20.0, (1.0, 5.0, 20.0), (0, 1, 2)
+
+
+def run_dir(out: Path, budget: float, method: str, lr: float, seed: int) -> Path:
+    return out / f"tpp{budget:g}" / f"{method}-lr{lr:g}-s{seed}"
+
+
+def finished(path: Path) -> dict | None:
+    """The last metrics row of a finished run (it has test_ppl), else None."""
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return rows[-1] if rows and "test_ppl" in rows[-1] else None
+
+
+def best_val(path: Path) -> float | None:
+    """The run's final validation perplexity (what the LR is chosen on)."""
+    last = finished(path)
+    return None if last is None else last["val_ppl"]
+
+
+def chosen_lr(out: Path, method: str) -> float | None:
+    """The LR of ``method``'s grid with the lowest final validation perplexity at 20 tokens per
+    parameter, seed 0; None until its whole grid has run."""
+    grid = METHODS[method][1]
+    vals = {lr: best_val(run_dir(out, LR_BUDGET, method, lr, 0)) for lr in grid}
+    if any(v is None for v in vals.values()):
+        return None
+    return min(vals, key=lambda lr: vals[lr])  # type: ignore[arg-type,return-value]
+
+
+def queue(out: Path, phase: str, methods: list[str]) -> list[tuple[float, str, float, int]]:
+    """(budget, method, lr, seed) still to run, in order."""
+    if phase == "lr":
+        todo = [(LR_BUDGET, m, METHODS[m][1][i], 0)
+                for i in range(3) for m in methods]
+    else:
+        todo = []
+        for seed in SEEDS:
+            for budget in (LR_BUDGET, 5.0, 1.0):
+                for m in methods:
+                    lr = chosen_lr(out, m)
+                    if lr is not None:
+                        todo.append((budget, m, lr, seed))
+    return [t for t in todo if finished(run_dir(out, *t)) is None]
+
+
+def launch(out: Path, budget: float, method: str, lr: float, seed: int) -> bool:
+    path = run_dir(out, budget, method, lr, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    resume = ["--resume", "auto"] if (path / "config.toml").is_file() else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "pufferfish", "train", *BASE, *METHODS[method][0], "--lr", f"{lr:g}",
+           "--seed", str(seed), "--tokens-per-param", f"{budget:g}", "--out", str(path), *resume]
+    with open(f"{path}.log", "a") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    last = finished(path)
+    print(f"{'done' if last else 'FAILED'}: {path}"
+          + (f" val {last['val_ppl']:.2f} test {last['test_ppl']:.2f}" if last else
+             f" (exit {code}, see {path}.log)"), flush=True)
+    return last is not None
+
+
+def table(out: Path) -> list[dict]:
+    rows = []
+    for budget_dir in sorted(out.glob("tpp*")):
+        for path in sorted(budget_dir.iterdir()):
+            last = finished(path) if path.is_dir() else None
+            if last is None:
+                continue
+            method, lr, seed = path.name.rsplit("-", 2)
+            rows.append({"budget": float(budget_dir.name[3:]), "method": method,
+                         "lr": float(lr[2:]), "seed": int(seed[1:]), "val_ppl": last["val_ppl"],
+                         "test_ppl": last["test_ppl"], "params": last["params"],
+                         "time_s": sum(json.loads(r)["epoch_time"] for r in
+                                       (path / "metrics.jsonl").read_text().splitlines() if r)})
+    return rows
+
+
+def verdicts(out: Path, rows: list[dict]) -> list[str]:
+    """The decision rule at each budget where full, lowrank and a Pufferfish variant have 3 seeds
+    at their chosen LRs."""
+    lines = []
+    for budget in BUDGETS:
+        stats = {}
+        for m in METHODS:
+            lr = chosen_lr(out, m)
+            vals = [r["test_ppl"] for r in rows if r["method"] == m and r["budget"] == budget
+                    and r["lr"] == lr]
+            if len(vals) == len(SEEDS):
+                stats[m] = (sum(vals) / len(vals), max(vals) - min(vals))
+        if "full" not in stats or "lowrank" not in stats:
+            lines.append(f"{budget:g} tokens/param: not enough seeds yet")
+            continue
+        (f_mean, f_spread), (l_mean, l_spread) = stats["full"], stats["lowrank"]
+        gap = l_mean - f_mean
+        matters = gap > 2 * max(f_spread, l_spread)
+        line = (f"{budget:g} tokens/param: full {f_mean:.2f}, lowrank {l_mean:.2f} (gap "
+                f"{gap:+.2f}, 2x spread {2 * max(f_spread, l_spread):.2f}): full rank "
+                f"{'beats' if matters else 'does not clearly beat'} low rank from the start")
+        for m, (mean, _) in stats.items():
+            if m.startswith("puff") and matters:
+                line += f"; {m} recovers {(l_mean - mean) / gap:.0%} of the gap"
+        lines.append(line)
+    return lines
+
+
+def summary(out: Path, md: Path | None, png: Path | None) -> str:
+    rows = table(out)
+    text = ["| tokens/param | method | lr | seed | val ppl | test ppl | params | time (s) |",
+            "|---|---|---|---|---|---|---|---|"]
+    text += [f"| {r['budget']:g} | {r['method']} | {r['lr']:g} | {r['seed']} | "
+             f"{r['val_ppl']:.2f} | {r['test_ppl']:.2f} | {r['params'] / 1e6:.2f}M | "
+             f"{r['time_s']:.0f} |" for r in rows]
+    text += ["", "LR chosen on validation (20 tokens/param, seed 0): " + ", ".join(
+        f"{m} {chosen_lr(out, m) if chosen_lr(out, m) is not None else 'grid incomplete'}"
+        for m in METHODS), ""]
+    text += verdicts(out, rows)
+    if png is not None and rows:
+        _plot(out, rows, png)
+    result = "\n".join(text)
+    if md is not None:
+        md.write_text(result + "\n")
+    return result
+
+
+def _plot(out: Path, rows: list[dict], png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in METHODS:
+        lr = chosen_lr(out, m)
+        points = {}
+        for r in rows:
+            if r["method"] == m and r["lr"] == lr:
+                points.setdefault(r["budget"], []).append(r["test_ppl"])
+        if points:
+            xs = sorted(points)
+            ax.errorbar(xs, [sum(points[x]) / len(points[x]) for x in xs],
+                        yerr=[(max(points[x]) - min(points[x])) / 2 for x in xs],
+                        marker="o", capsize=3, label=f"{m} (lr {lr:g})")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per parameter (full-rank model)")
+    ax.set_ylabel("test perplexity")
+    ax.set_title("llama width 0.125, kjv+gcide: mean of seeds, bars = spread")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("out", type=Path)
+    r.add_argument("--phase", choices=("lr", "seeds"), default="lr")
+    r.add_argument("--methods", default=",".join(METHODS))
+    r.add_argument("--dry-run", action="store_true")
+    s = sub.add_parser("summary")
+    s.add_argument("out", type=Path)
+    s.add_argument("--md", type=Path)
+    s.add_argument("--png", type=Path)
+    args = parser.parse_args()
+    if args.cmd == "summary":
+        print(summary(args.out, args.md, args.png))
+        return 0
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        print(f"lm_budget: unknown method {unknown[0]!r}; allowed {', '.join(METHODS)}",
+              file=sys.stderr)
+        return 2
+    for item in queue(args.out, args.phase, methods):
+        if args.dry_run:
+            print("would run:", run_dir(args.out, *item))
+            continue
+        launch(args.out, *item)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
