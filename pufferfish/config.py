@@ -87,6 +87,7 @@ class TrainConfig:
     frobenius_decay: float = 0.0  # λ of Frobenius decay on low-rank layers (0: plain weight decay)
     switch_momentum: str = "reset"  # at the switch: reset (the paper) or project onto the factors
     warmup_steps: float = 0.0  # switch before optimizer step N, or this fraction of the run if < 1 (0: off)
+    switch_lr_warmup: float = 0.0  # after the switch, the LR ramps up again over N steps, or this fraction of the run if < 1 (ReLoRA's re-warm-up; 0: off)
     galore_update_proj_gap: int = 200  # galore: optimizer steps between the projectors' SVDs
     galore_scale: float = 0.25  # galore: scale of the update projected back (the paper's 0.25)
     galore_proj_type: str = "std"  # galore: std, reverse_std, right, left, full
@@ -174,7 +175,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
         _positive("keep_checkpoints", self.keep_checkpoints)
         for name in ("weight_decay", "grad_clip", "lr_warmup_epochs", "frobenius_decay", "momentum",
-                     "switch_threshold", "tokens_per_param"):
+                     "switch_threshold", "tokens_per_param", "switch_lr_warmup"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
         if self.model == "llama":

@@ -111,3 +111,20 @@ def test_tokens_per_param_is_for_llama_only() -> None:
     env = DistEnv()
     with pytest.raises(ConfigError, match="tokens_per_param is for --model llama"):
         resolve_token_budget(TrainConfig(model="resnet18", tokens_per_param=1), env)
+
+
+def test_the_lr_ramps_up_again_after_the_switch_with_switch_lr_warmup() -> None:
+    from pufferfish.method import PufferfishMethod
+
+    cfg = TrainConfig(model="llama", width=0.0625, epochs=2, warmup_epochs="1",
+                      switch_lr_warmup=4)
+    method = PufferfishMethod(cfg)
+    assert method.lr_scale(12, 10) == 1.0  # not switched yet
+    method.switch.policy.switched_at = 1  # switched before epoch 1 = global step 10
+    assert [method.lr_scale(s, 10) for s in (10, 11, 13, 14, 19)] == [0.25, 0.5, 1.0, 1.0, 1.0]
+    in_steps = PufferfishMethod(TrainConfig(model="llama", width=0.0625, epochs=1,
+                                            warmup_steps=0.5, switch_lr_warmup=0.1))
+    in_steps.switch.policy.switched_at = 0
+    assert [in_steps.lr_scale(s, 100) for s in (50, 55, 59, 60)] == [0.1, 0.6, 1.0, 1.0]
+    with pytest.raises(ConfigError, match="switch_lr_warmup"):
+        TrainConfig(switch_lr_warmup=-1)

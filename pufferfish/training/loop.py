@@ -227,7 +227,8 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
         if change is not None:  # a switch in steps (warmup_steps), mid-epoch
             rebuild(cfg, env, run, method, task, change, before, run_dir)
         run.meter.batch_ready()
-        lr = lr_at(cfg, method.schedule_step(progress.global_step, steps), steps)
+        lr = lr_at(cfg, method.schedule_step(progress.global_step, steps), steps) \
+            * method.lr_scale(progress.global_step, steps)
         with run.buckets.step(run):  # during a bucket trial: timed, perhaps re-wrapped
             loss, bad = _step(cfg, env, run, method, task, batch, i, lr)
         progress.global_step += 1
@@ -328,7 +329,7 @@ def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
         "train_loss": total_loss / total_steps if total_steps else float("nan"),
         "skipped_steps": counts["skipped_steps"],
         "steps": counts["n_steps"] + counts["skipped_steps"],  # optimizer steps of the epoch
-        "lr": lr_at(cfg, method.schedule_step(last, steps), steps),
+        "lr": lr_at(cfg, method.schedule_step(last, steps), steps) * method.lr_scale(last, steps),
         "epoch_time": counts["epoch_time"],
         "compute_time": counts["compute_time"],
         "data_time": counts["data_time"],

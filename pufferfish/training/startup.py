@@ -7,6 +7,7 @@ decide which checkpoint, if any, the run continues from.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -229,12 +230,21 @@ def _decide(cfg: TrainConfig, env: DistEnv, run_dir: Path,
     return found
 
 
+def _default(name: str) -> Any:
+    """A TrainConfig field's default (None for a name that is no field)."""
+    spec = TrainConfig.__dataclass_fields__.get(name)
+    if spec is None:
+        return None
+    return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default  # type: ignore[misc]
+
+
 def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: _Look,
                     run_dir: Path, world_size: int, run_fields: tuple[str, ...]) -> None:
     """The checkpoint must be of this run: all fields (automatic resume) or those defining it."""
     saved, path = found
     if look.lenient:
-        ckpt.verify_compatible({k: saved["config"].get(k) for k in run_fields},
+        # A key the checkpoint lacks was written before the field existed: it ran the default.
+        ckpt.verify_compatible({k: saved["config"].get(k, _default(k)) for k in run_fields},
                                {k: getattr(cfg, k) for k in run_fields}, what="configuration")
     else:
         # Keys the checkpoint does not know (written before a field was added) are not compared.
