@@ -3,7 +3,8 @@
 llama width 0.125 (dim 64, 8 layers, 0.56M parameters at vocabulary 1,024) on ``kjv+gcide``,
 2 processes x 64 sequences x 128 tokens = 16,384 tokens per step, AdamW with the LM recipe (10%
 LR warm-up, cosine, weight decay 0.1, clip 1.0); validation every 100 steps (for choosing), test
-once at the end (for reporting), both on the first 262,144 tokens of their splits.
+once at the end (for reporting), both on the first 262,144 tokens of their splits; a checkpoint
+every 100 steps, so a stopped study resumes where it was.
 
     python benchmarks/lm_budget.py run OUT [--phase lr|seeds] [--methods a,b] [--dry-run]
     python benchmarks/lm_budget.py summary OUT [--md FILE] [--png FILE]
@@ -34,7 +35,7 @@ from pathlib import Path
 BASE = ["--model", "llama", "--data", "kjv+gcide", "--width", "0.125", "--seq-len", "128",
         "--vocab-size", "1024", "--batch-size", "64", "--eval-every-steps", "100",
         "--test-subset", "262144", "--bucket-mb", "torch", "--threads", "1", "--no-progress",
-        "--epochs", "4"]
+        "--epochs", "4", "--checkpoint-every-steps", "100"]
 # name -> (flags, LR grid): the same number of trials for every method
 METHODS: dict[str, tuple[list[str], list[float]]] = {
     "full": (["--mode", "full"], [3e-3, 1e-2, 1e-3]),
