@@ -32,6 +32,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pufferfish.training.checkpoint import latest_checkpoint
+
 BASE = ["--model", "llama", "--data", "kjv+gcide", "--width", "0.125", "--seq-len", "128",
         "--vocab-size", "1024", "--batch-size", "64", "--eval-every-steps", "100",
         "--test-subset", "262144", "--bucket-mb", "torch", "--threads", "1", "--no-progress",
@@ -99,7 +101,9 @@ def queue(out: Path, phase: str, methods: list[str]) -> list[tuple[float, str, f
 def launch(out: Path, budget: float, method: str, lr: float, seed: int) -> bool:
     path = run_dir(out, budget, method, lr, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    resume = ["--resume", "auto"] if (path / "config.toml").is_file() else []
+    # A run stopped after a checkpoint resumes; one stopped before its first starts again.
+    resume = (["--resume", "auto"] if latest_checkpoint(path) is not None else
+              ["--overwrite"] if path.is_dir() else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", "-m", "pufferfish", "train", *BASE, *METHODS[method][0], "--lr", f"{lr:g}",
            "--seed", str(seed), "--tokens-per-param", f"{budget:g}", "--out", str(path), *resume]
