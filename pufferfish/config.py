@@ -46,6 +46,7 @@ SYNCS = ("ddp", "diloco")
 PARALLEL = ("ddp", "fsdp")
 # auto: each layer's fastest kernel, timed at the switch; a name: that kernel wherever a layer has it
 KERNELS = ("auto", "fused", "loop")
+LOGGERS = ("none", "tensorboard")  # training/board.py
 # The automatic switch's default cap (max_warmup_epochs 0): a tenth of the run, the paper's warm-up,
 # but at least this many optimizer steps, which the short-run grids needed (docs/benchmarks.md).
 CAP_FRACTION, CAP_MIN_STEPS = 0.1, 150  # the optimizer state of the factors at the switch
@@ -149,6 +150,8 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads per process (0: torch's default)
     channels_last: bool = True  # conv weights in NHWC memory order: faster conv kernels (CPU, GPU)
     progress: bool = True  # tqdm progress bar on rank 0
+    verbose: bool = False  # print the whole configuration at the start (always in RUN_DIR/config.toml)
+    logger: str = "none"  # also log to: none (metrics.jsonl/.csv only) or tensorboard (RUN_DIR/tb, rank 0)
     compile: bool = False  # torch.compile the model (compiled again once after the switch)
     compile_backend: str = "inductor"  # torch.compile backend (eager, aot_eager: for debugging)
 
@@ -424,7 +427,7 @@ def choices() -> dict[str, tuple[str, ...]]:
             "switch_momentum": SWITCH_MOMENTUM, "optimizer": OPTIMIZERS,
             "galore_proj_type": GALORE_PROJ_TYPES, "sync": SYNCS,
             "outer_switch_momentum": SWITCH_MOMENTUM, "parallel": PARALLEL,
-            "kernel": KERNELS}
+            "kernel": KERNELS, "logger": LOGGERS}
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
