@@ -4,7 +4,7 @@
 # (IMAGES=0 for all) and all 10,000 test images, two processes joined by an emulated 100 Mbit/s
 # link (network namespaces, a veth pair and `tc tbf`; needs root and iproute2). Four methods are
 # trained for real over the link: full-rank DDP for 3 epochs, and the methods whose steps ship
-# fewer bytes for one more epoch in about the same wall-clock budget: PowerSGD (rank 2, the
+# fewer bytes for one more epoch in about the same wall-clock budget: PowerSGD (rank 4, the
 # compressor Pufferfish is compared with), Pufferfish (the paper's recipe: 1 full-rank warm-up
 # epoch, then low rank) and Pufferfish + PowerSGD (the composition). Then the table, the plot of
 # test accuracy against wall-clock time, and the verdict: which method reached DDP's final
