@@ -7,6 +7,7 @@ decide which checkpoint, if any, the run continues from.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError, TrainConfig, load_config
+from ..config import FIELDS, ConfigError, TrainConfig, load_config
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 from . import checkpoint as ckpt
@@ -234,7 +235,7 @@ def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: 
     """The checkpoint must be of this run: all fields (automatic resume) or those defining it."""
     saved, path = found
     if look.lenient:
-        ckpt.verify_compatible({k: saved["config"].get(k) for k in run_fields},
+        ckpt.verify_compatible({k: saved["config"].get(k, _default(k)) for k in run_fields},
                                {k: getattr(cfg, k) for k in run_fields}, what="configuration")
     else:
         # Keys the checkpoint does not know (written before a field was added) are not compared.
@@ -253,6 +254,13 @@ def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: 
             f"{path} was written by {len(hook_states)} processes, this run has "
             f"{world_size}: the per-rank memory of comm hook {cfg.comm!r} cannot be "
             "redistributed; resume with the same number of processes")
+
+
+def _default(name: str) -> Any:
+    """What a checkpoint written before field ``name`` existed ran with: its default (e.g.
+    ``grad_accum`` 1), or None for a field whose default is built per instance."""
+    default = FIELDS[name].default if name in FIELDS else None
+    return None if default is dataclasses.MISSING else default
 
 
 # -- the run directory ---------------------------------------------------------------------------
