@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +15,10 @@ import torch
 import torch.nn.functional as F
 from test_llama import llama_args
 from test_training import (
+    free_port,
     killed_and_resumed,
     metrics,
+    needs_fashion,
     report_to_parent,
     run_cli,
     run_worker_pair,
@@ -22,6 +28,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from pufferfish.cli import main
 from pufferfish.config import ConfigError, load_config
 from pufferfish.distributed.hooks import register_comm_hook
 from pufferfish.training.checkpoint import latest_checkpoint
@@ -164,3 +171,40 @@ def test_bad_grad_accum_is_refused_in_one_line(tmp_path: Path, value: str, messa
 def test_negative_grad_accum_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"grad_accum -2 is invalid \(--grad-accum"):
         load_config(None, {"grad_accum": "-2"})
+
+
+# -- pufferfish bench: a step of N micro-batches, one synchronization ----------------------------
+
+def _bench_steps(tmp_path: Path, accum: int) -> dict[str, dict[str, Any]]:
+    out = tmp_path / f"steps{accum}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), "-m", "pufferfish.bench.step",
+           "--methods", "ddp,powersgd,fsdp", "--model", "resnet18", "--width", "0.125",
+           "--batch-size", "4", "--grad-accum", str(accum), "--steps", "2", "--warmup", "2",
+           "--compute-steps", "1", "--threads", "1", "--bucket-mb", "torch", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {r["method"]: r for r in json.loads(out.read_text())}
+
+
+@needs_fashion
+def test_bench_step_accumulates_with_one_synchronization(tmp_path: Path) -> None:
+    one, two = _bench_steps(tmp_path, 1), _bench_steps(tmp_path, 2)
+    for method in ("ddp", "powersgd"):  # the hook runs once per optimizer step
+        assert two[method]["grad_accum"] == 2 and one[method]["grad_accum"] == 1
+        for key in ("bytes_per_step", "collectives_per_step"):
+            assert two[method][key] == one[method][key], (method, key)
+    # FSDP2 gathers the weights in every micro-batch and reduce-scatters once
+    assert two["fsdp"]["reduce_scatter_bytes_per_step"] == one["fsdp"]["reduce_scatter_bytes_per_step"]
+    assert two["fsdp"]["all_gather_bytes_per_step"] == 2 * one["fsdp"]["all_gather_bytes_per_step"]
+
+
+def test_bench_refuses_a_bad_grad_accum_in_one_line(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    for args, needle in ((["--grad-accum", "0"], "grad_accum 0 is invalid (--grad-accum"),
+                         (["--grad-accum", "2", "--train"], "--grad-accum 2 is invalid with --train")):
+        assert main(["bench", *args, "--out", str(tmp_path / "bench")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "bench").exists()
