@@ -103,7 +103,8 @@ class TrainConfig:
     slim_l1: float = 1e-4  # prune: L1 penalty on BatchNorm scales before the cut
     # Optimisation
     epochs: int = 10  # passes over the training data
-    batch_size: int = 128  # examples per step, per process
+    batch_size: int = 128  # examples per step (per micro-batch with grad_accum), per process
+    grad_accum: int = 1  # micro-batches of batch_size per optimizer step (one gradient sync each)
     eval_batch_size: int = 512  # examples per forward pass when testing
     optimizer: str = "auto"  # sgd, adamw (auto: the model's default in MODEL_DEFAULTS, else sgd)
     lr: float = 0.1  # learning rate (after the LR warm-up; llama: 1e-3)
@@ -171,6 +172,9 @@ class TrainConfig:
         _positive("lr", self.lr)
         _positive("bptt", self.bptt)
         _positive("timeout_s", self.timeout_s)
+        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ConfigError(f"grad_accum {self.grad_accum!r} is invalid (--grad-accum: micro-batches "
+                              "per optimizer step): allowed an integer >= 1")
         for name in ("max_vocab", "train_subset", "test_subset", "keep_first", "checkpoint_every_epochs",
                      "checkpoint_every_steps", "threads",
                      "stable_rank_every_steps", "eval_every_steps"):

@@ -28,6 +28,28 @@ Use it from your own loop::
 recipe is built, its keep patterns and preset against the model at the first call
 (:meth:`~Recipe.on_epoch_start`, :meth:`~Recipe.observe`), not hours later at the switch.
 
+Gradient accumulation (``accum`` micro-batches per optimizer step) needs nothing from the
+recipe: accumulate inside ``train_one_epoch`` as usual. The switch falls at an epoch start, so
+between optimizer steps; zero the gradients at the start of each group, so that an epoch's
+incomplete last group (dropped, as ``pufferfish train`` drops it) is not carried into the next
+step. Divide each loss by ``accum`` and run the group's first backward passes under
+``model.no_sync()`` (DDP; FSDP2: ``model.set_requires_gradient_sync(False)``): the gradients, and
+a comm hook such as PowerSGD with its error feedback, are then synchronized once per optimizer
+step::
+
+    for i, batch in enumerate(loader):  # micro-batches
+        if i % accum == 0:
+            optimizer.zero_grad()
+        last = (i + 1) % accum == 0
+        with contextlib.nullcontext() if last else model.no_sync():
+            (loss_fn(model, batch) / accum).backward()
+        if last:
+            optimizer.step()
+            scheduler.step()
+
+Count steps as optimizer steps (the scheduler's, ``observe(epoch + step / steps, model)``), and
+after the switch use the wrapper ``on_epoch_start`` returned: it is a new one.
+
 ``warmup_epochs="auto"`` switches when every layer's stable rank has settled, ``rank_ratio="auto"``
 picks per-layer ranks from the stable ranks, ``keep="auto"`` profiles each layer and keeps those
 that factorizing does not make cheaper (see :mod:`pufferfish.auto`). With ``warmup_epochs="auto"``,

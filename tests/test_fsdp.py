@@ -189,13 +189,16 @@ def test_lightning_callback_switches_a_fully_shard_model_like_ddp(tmp_path: Path
 def test_bytes_per_step_are_what_fsdp_hands_to_its_collectives(tmp_path: Path) -> None:
     """comm_bytes' formula against the bytes counted at torch.distributed, before and after the
     switch: all-gathers (forward, and backward for every unit but the root) and reduce-scatters,
-    and how many of them one step launches."""
+    and how many of them one step launches; and a step of 2 micro-batches (gradient accumulation,
+    one reduce-scatter)."""
     out = tmp_path / "count.json"
     result = torchrun(2, str(WORKER), "count", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
-    before, after = json.loads(out.read_text())
-    for row in (before, after):
+    before, after, accumulated = json.loads(out.read_text())
+    for row in (before, after, accumulated):
         assert row["counted"]["all_gather"] == row["all_gather"]
         assert row["counted"]["reduce_scatter"] == row["reduce_scatter"]
         assert row["counted"]["calls"] == row["collectives"]
     assert after["all_gather"] < before["all_gather"] / 3
+    assert accumulated["all_gather"] == 2 * after["all_gather"]
+    assert accumulated["reduce_scatter"] == after["reduce_scatter"]

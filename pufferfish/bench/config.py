@@ -60,6 +60,7 @@ class BenchConfig:
     warmup: int = 3
     compute_steps: int = 5
     batch_size: int = 128
+    grad_accum: int = 1  # micro-batches per step: times and bytes per optimizer step
     seq_len: int = 64  # language models: tokens per sequence of a batch
     vocab_size: int = 2000  # language models: vocabulary (KJV words, the rarest clamped)
     # ... then one field per comm-hook option: powersgd_rank, powersgd_start_iter, ...
@@ -128,6 +129,7 @@ class BenchConfig:
                 raise ValueError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 1")
         if self.width <= 0:
             raise ValueError(f"width {self.width!r} is invalid: allowed > 0")
+        self._validate_grad_accum()
         parse_bucket_mb(self.bucket_mb)
         if self.powersgd_start_iter < 2:
             raise ValueError(
@@ -171,6 +173,18 @@ class BenchConfig:
                 f"Fashion-MNIST directory {str(data)!r} does not exist: install the Debian "
                 "package dataset-fashion-mnist or pass --data-dir"
             )
+
+    def _validate_grad_accum(self) -> None:
+        """``--grad-accum``: step timing only; the time-to-accuracy runs count steps of one
+        batch (bench/accuracy.py), so they keep 1."""
+        n = self.grad_accum
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"grad_accum {n!r} is invalid (--grad-accum: micro-batches per "
+                             "step): allowed an integer >= 1")
+        if n > 1 and (self.train or self.accuracy_runs):
+            raise ValueError(f"--grad-accum {n} is invalid with --train or --accuracy-runs "
+                             "(time to accuracy counts steps of one batch): allowed 1, or step "
+                             "times only")
 
     def _validate_fsdp(self) -> None:
         """``--parallel`` and the FSDP2 methods: what ``pufferfish train --parallel fsdp``
@@ -294,6 +308,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="timed steps under ddp.no_sync(), compute only (fsdp methods: on an "
                          "unsharded copy of the model)")
     ap.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker")
+    ap.add_argument("--grad-accum", type=int, default=d.grad_accum,
+                    help="micro-batches of --batch-size per step, one gradient synchronization")
     for option in HOOK_OPTIONS:
         ap.add_argument("--" + option.key.replace("_", "-"), type=option.kind,
                         default=getattr(d, option.key), help=option.help)
@@ -366,7 +382,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         methods=parallel_methods(_methods_arg(args), args.parallel),
         bandwidths=[b.strip() for b in args.bandwidth.split(",") if b.strip()],
         workers=args.workers, steps=args.steps, warmup=args.warmup,
-        compute_steps=args.compute_steps, batch_size=args.batch_size,
+        compute_steps=args.compute_steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
         seq_len=args.seq_len, vocab_size=args.vocab_size,
         **{option.key: getattr(args, option.key) for option in HOOK_OPTIONS},
         threads=args.threads,
@@ -415,7 +431,7 @@ def parallel_methods(methods: list[str], parallel: str) -> list[str]:
 
 # Settings that describe a measurement, taken from the results when reused.
 _MEASURED = ("model", "width", "methods", "parallel", "bandwidths", "workers", "steps", "warmup",
-             "compute_steps", "batch_size", *(option.key for option in HOOK_OPTIONS), "threads",
+             "compute_steps", "batch_size", "grad_accum", *(option.key for option in HOOK_OPTIONS), "threads",
              "rounds", "channels_last", "compile", "bucket_mb", "inner_steps", "seq_len",
              "vocab_size")
 

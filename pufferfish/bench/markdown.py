@@ -38,6 +38,14 @@ def _data(cfg: BenchConfig) -> str:
     return f"KJV sequences of {cfg.seq_len} words (vocabulary {cfg.vocab_size})"
 
 
+def _accumulation(cfg: BenchConfig) -> str:
+    """``--grad-accum``: what a step is then."""
+    if cfg.grad_accum == 1:
+        return ""
+    return (f", {cfg.grad_accum} micro-batches per step (one gradient synchronization; times "
+            "and bytes per optimizer step)")
+
+
 def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]) -> str:
     """``results.md``: how it was measured, then every section ``result`` has."""
     rows = result["rows"]
@@ -46,7 +54,7 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
     lines = [
         f"# pufferfish bench: {cfg.model} x{cfg.width}, {cfg.workers} workers",
         "",
-        f"{source}Per worker: batch {cfg.batch_size} of {_data(cfg)}"
+        f"{source}Per worker: batch {cfg.batch_size} of {_data(cfg)}{_accumulation(cfg)}"
         f"{', compiled (torch.compile)' if cfg.compile else ''}, "
         f"{cfg.worker_threads()} torch thread(s); per method and round {cfg.warmup} warm-up "
         f"steps, {cfg.compute_steps} compute-only steps, {cfg.steps} timed steps; {cfg.rounds} "

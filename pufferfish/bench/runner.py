@@ -168,7 +168,7 @@ def _step_argv(cfg: BenchConfig, methods: list[str], out: Path, cache: Path) -> 
     argv = [
         sys.executable, "-m", "pufferfish.bench.step", "--methods", ",".join(methods),
         "--model", cfg.model, "--width", str(cfg.width), "--batch-size", str(cfg.batch_size),
-        "--steps", str(cfg.steps), "--warmup", str(cfg.warmup),
+        "--grad-accum", str(cfg.grad_accum), "--steps", str(cfg.steps), "--warmup", str(cfg.warmup),
         "--compute-steps", str(cfg.compute_steps), *_hook_flags(cfg), _channels_flag(cfg),
         "--bucket-mb", str(cfg.bucket_mb), "--inner-steps", str(cfg.inner_steps),
         "--seq-len", str(cfg.seq_len), "--vocab", str(cfg.vocab_size),

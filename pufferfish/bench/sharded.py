@@ -66,7 +66,7 @@ def measure_sharded(args: argparse.Namespace, method: str, factorized: bool,
             batch = next(batches)
             steps.append(timed(lambda b=batch: train_one_step(replica, b)))
 
-    moved = fsdp.comm_bytes(model, dist.get_world_size())
+    moved = fsdp.comm_bytes(model, dist.get_world_size(), args.grad_accum)
     return {
         "rank": dist.get_rank(), "step_times": steps, "compute_times": compute,
         "step_time": statistics.median(steps), "torch_step_time": None,

@@ -15,7 +15,10 @@ warm-up must cover both):
 
 Every step is the training loop's own step function
 (:func:`pufferfish.training.step.train_step`: forward, zero_grad, backward, optimizer step;
-no AMP, clipping or non-finite vote, which would add a collective).
+no AMP, clipping or non-finite vote, which would add a collective). With ``--grad-accum N`` a
+step is N micro-batches of ``--batch-size`` and one gradient synchronization (DDP's
+``no_sync`` for the first N - 1, FSDP2's gradient sync off): times, bytes and collectives are
+per optimizer step.
 
 Buckets (``--bucket-mb``): a fixed cap, torch's default, or (``auto``) each method's own
 fastest, chosen before the warm-up by the training loop's trial
@@ -87,7 +90,7 @@ from ..distributed.buckets import BucketTuner, bucket_overrides, parse_bucket_mb
 from ..distributed.diloco import DiLoCoState
 from ..distributed.env import cleanup, exit_process
 from ..distributed.hooks import all_hook_options, hook_names, hook_options, register_comm_hook
-from ..training.step import Replica
+from ..training.step import Replica, micro_batch_groups
 from .sharded import measure_sharded
 from .workload import (
     LM_MODELS,
@@ -200,6 +203,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="resnet18")
     ap.add_argument("--width", type=float, default=0.5)
     ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compute-steps", type=int, default=5)
@@ -219,6 +223,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--bucket-mb", type=parse_bucket_mb, default="torch")
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
     return ap
+
+
+def _steps_batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list[Any]:
+    """The micro-batches of ``n`` steps, ``--grad-accum`` per step: one list per step."""
+    micro = _batches(args, rank, world, n * args.grad_accum)
+    return list(micro_batch_groups(micro, args.grad_accum))
 
 
 def _batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list[Any]:
@@ -259,7 +269,8 @@ def _token_batches(args: argparse.Namespace, rank: int, world: int, n: int) -> l
 
 def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> dict[str, Any]:
     """Run the protocol of the module docstring for ``method`` on this rank, on
-    ``minibatches`` (warm-up + compute-only + full steps of them); return its measurements."""
+    ``minibatches`` (warm-up + compute-only + full steps of them, each a step's
+    ``--grad-accum`` micro-batches); return its measurements."""
 
     rank = dist.get_rank()
     factorized, hook = hook_for(method)
@@ -445,6 +456,7 @@ def _record(args: argparse.Namespace, method: str, world: int,
         "model": args.model,
         "width": args.width,
         "batch_size": args.batch_size,
+        "grad_accum": args.grad_accum,
         "workers": world,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -462,7 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finished = False
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        minibatches = _batches(args, rank, world, args.warmup + args.compute_steps + args.steps)
+        minibatches = _steps_batches(args, rank, world,
+                                     args.warmup + args.compute_steps + args.steps)
         records: list[dict[str, Any]] = []
         for method in args.methods:
             mine = measure(args, method, minibatches)

@@ -4,6 +4,7 @@ model, its optimizer and one training step, and the timing helpers of the step w
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -58,17 +59,17 @@ def make_optimizer(args: argparse.Namespace, method: str,
     return galore_optimizer(model, galore_ranks(model, cfg), cfg)
 
 
-def train_one_step(replica: Replica, batch: Any) -> None:
-    """The training loop's step (:func:`pufferfish.training.step.train_step`) on one
-    ``(input, target)`` batch with cross-entropy: no AMP, clipping or non-finite vote."""
-    x, y = batch
+def train_one_step(replica: Replica, micro_batches: Sequence[Any]) -> None:
+    """The training loop's step (:func:`pufferfish.training.step.train_step`) on ``(input,
+    target)`` micro-batches (``--grad-accum`` of them: one gradient synchronization) with
+    cross-entropy: no AMP, clipping or non-finite vote."""
 
-    def loss() -> torch.Tensor:
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out = replica.wrapped(x)
         logits = out[0] if isinstance(out, tuple) else out  # language models: (logits, hidden)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
-    train_step(replica, loss)
+    train_step(replica, [functools.partial(loss, x, y) for x, y in micro_batches])
 
 
 def timed(fn: Callable[[], None]) -> float:

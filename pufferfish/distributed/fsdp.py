@@ -128,6 +128,20 @@ def shard(model: nn.Module, mp_policy: MixedPrecisionPolicy | None = None,
     return model
 
 
+@contextlib.contextmanager
+def gradient_sync_off(model: nn.Module) -> Iterator[None]:
+    """No reduce-scatter in the backward passes within: the unsharded gradients accumulate
+    (gradient accumulation; FSDP2's ``set_requires_gradient_sync``), synchronized again after."""
+    roots = _roots(model)
+    for root in roots:
+        root.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        for root in roots:
+            root.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This process's shard of a DTensor, or ``t`` itself."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -350,8 +364,11 @@ class FsdpBytes:
         return self.all_gather + self.reduce_scatter
 
 
-def comm_bytes(model: nn.Module, world_size: int) -> FsdpBytes:
+def comm_bytes(model: nn.Module, world_size: int, micro_batches: int = 1) -> FsdpBytes:
     """Bytes per step of FSDP2 on ``model``, from the sharded parameters' sizes and dtypes.
+
+    A step of ``micro_batches`` (gradient accumulation) all-gathers in each micro-batch's forward
+    and backward and reduce-scatters once, after the last (:func:`gradient_sync_off`).
 
     Per unit, with ``S`` its padded shard bytes (``ceil(dim0 / p) * rest`` elements per
     parameter, in the mixed-precision parameter dtype) and ``p`` processes: the forward
@@ -372,7 +389,7 @@ def comm_bytes(model: nn.Module, world_size: int) -> FsdpBytes:
             dtypes = [fp.sharded_param.dtype for fp in group.fsdp_params]
             size = _size(mp.param_dtype, dtypes)
             grad_size = _size(mp.reduce_dtype or mp.param_dtype, dtypes)
-            n = 2 if group.post_forward_mesh_info is not None else 1
+            n = (2 if group.post_forward_mesh_info is not None else 1) * micro_batches
             gather += n * shard_el * size
             scatter += p * shard_el * grad_size
             ring += (n * size + grad_size) * (p - 1) * shard_el
@@ -395,13 +412,14 @@ def _size(dtype: torch.dtype | None, dtypes: list[torch.dtype]) -> int:
 
 
 def step_figures(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 world_size: int) -> dict[str, float]:
-    """The metrics row's FSDP2 figures: bytes per step (:func:`comm_bytes`; ``comm_bytes_per_step``
-    is the payload, as the comm hooks count it), this process's sharded parameter, gradient and
-    optimizer bytes, and its peak resident memory so far."""
+                 world_size: int, micro_batches: int = 1) -> dict[str, float]:
+    """The metrics row's FSDP2 figures: bytes per optimizer step of ``micro_batches``
+    (:func:`comm_bytes`; ``comm_bytes_per_step`` is the payload, as the comm hooks count it),
+    this process's sharded parameter, gradient and optimizer bytes, and its peak resident memory
+    so far."""
     import resource
 
-    moved = comm_bytes(model, world_size)
+    moved = comm_bytes(model, world_size, micro_batches)
     return {"comm_bytes_per_step": moved.payload, "all_gather_bytes_per_step": moved.all_gather,
             "reduce_scatter_bytes_per_step": moved.reduce_scatter,
             "ring_bytes_per_step": moved.ring, **sharded_state_bytes(model, optimizer),

@@ -29,7 +29,7 @@ from . import startup
 from .guards import write_text
 from .methods import Change, Method
 from .run import Run
-from .tasks import Task
+from .tasks import Task, steps_per_epoch
 
 # What a resume may not change about the synchronization (the checkpoint's layout depends on it).
 SYNC_FIELDS = ("sync", "inner_steps", "outer_lr", "outer_momentum")
@@ -190,7 +190,7 @@ def rebuild(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task
     chosen again for the new model, a fresh optimizer, DDP wrapper and comm hook, with what
     state the method carries over."""
     run.buckets.start(run.model, f"after the {change.name} at epoch {run.progress.epoch}",
-                      len(task.train_loader), ddp(cfg, env))  # a new model: new buckets
+                      steps_per_epoch(cfg, task), ddp(cfg, env))  # a new model: new buckets
     fresh = prepare(cfg, run.model, env, method, run.buckets, run.mesh)
     if run.hook_state is not None and fresh.hook_state is not None:
         fresh.hook_state.stats = run.hook_state.stats  # the epoch's byte counts go on (mid-epoch)

@@ -9,6 +9,11 @@ hook) through the same function that built them at the start
 resume), :func:`_epochs`, :func:`_train_epoch`, :func:`_step` (the one
 :func:`~pufferfish.training.step.train_step` with this run's options).
 
+Steps are optimizer steps: with ``--grad-accum N`` each is N micro-batches of ``--batch-size``
+(an epoch's last incomplete group dropped), and everything counted in steps (the switch at
+``warmup_steps``, the LR schedule, ``eval_every_steps``, ``checkpoint_every_steps``, DiLoCo's
+inner steps, bytes per step) counts those.
+
 Resume: every stateful part of a run saves and loads its own state, and a checkpoint holds them
 by name (:func:`~pufferfish.training.build.components`, written by
 :func:`~pufferfish.training.checkpointing.checkpoint`): the method, the model, the optimizer,
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -72,8 +78,8 @@ from .methods import Method, build_method
 from .metrics import MetricsWriter, quality_key
 from .run import Progress, Run
 from .schedule import lr_at
-from .step import train_step
-from .tasks import Task, build_task
+from .step import micro_batch_groups, train_step
+from .tasks import Task, build_task, steps_per_epoch
 
 __all__ = ["PeerError", "TrainingError", "train"]
 
@@ -144,6 +150,7 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
                                          *SYNC_FIELDS))
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     task = build_task(cfg, env)
+    steps = steps_per_epoch(cfg, task)  # optimizer steps; refuses a --grad-accum beyond the data
     model = task.model.to(env.device)
     method.setup(model, task.example_input(env.device), cfg)
     startup.check_agree(env, "the data or the checkpoint to resume", {
@@ -152,7 +159,7 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     buckets = BucketTuner(cfg.bucket_mb)
     mesh = replica_mesh(cfg, env)
     if resumed is None:
-        buckets.start(model, "start", len(task.train_loader), ddp(cfg, env))
+        buckets.start(model, "start", steps, ddp(cfg, env))
         run = prepare(cfg, model, env, method, buckets, mesh)
     else:
         run = resume(cfg, env, method, task, model, *resumed, buckets, mesh)
@@ -225,14 +232,14 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
     """The epoch's remaining steps (all of them, unless resumed mid-epoch); its metrics row."""
     loader, progress = task.train_loader, run.progress
     loader.set_epoch(progress.epoch)
-    steps = len(loader)
+    steps = steps_per_epoch(cfg, task)
     run.wrapped.train()
     stats = _comm_stats(run)
     if stats is not None:
         stats.reset()
     bar = _progress_bar(cfg, env, progress, steps)
     run.meter.start()
-    for i, batch in enumerate(loader):
+    for i, batches in enumerate(micro_batch_groups(loader, cfg.grad_accum)):
         if i < progress.step_in_epoch:  # resuming mid-epoch: these steps were taken before
             continue
         before = dict(run.model.named_parameters(remove_duplicate=False))
@@ -246,7 +253,7 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
             * method.lr_scale(progress.global_step, steps)
         sent = _bytes_sent(run)
         with run.buckets.step(run):  # during a bucket trial: timed, perhaps re-wrapped
-            loss, bad = _step(cfg, env, run, method, task, batch, i, lr)
+            loss, bad = _step(cfg, env, run, method, task, batches, i, lr)
         progress.global_step += 1
         progress.step_in_epoch = i + 1
         _after_step(run, steps)
@@ -277,18 +284,18 @@ def _evaluate_within_epoch(env: DistEnv, run: Run, task: Task, writer: MetricsWr
                                  for k, v in row.items()))
 
 
-def _step(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task, batch: Any,
-          i: int, lr: float) -> tuple[torch.Tensor, str | None]:
-    """Step ``i`` of the epoch: seeded, at learning rate ``lr``, its non-finite policy applied."""
+def _step(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
+          batches: list[Any], i: int, lr: float) -> tuple[torch.Tensor, str | None]:
+    """Step ``i`` of the epoch on its micro-batches: seeded, at learning rate ``lr``, its
+    non-finite policy applied."""
     progress = run.progress
     faults.strike("step", progress.global_step, env.rank)  # tests and benchmarks/faults.sh
     torch.manual_seed(_step_seed(cfg.seed, progress.epoch, i, env.rank))
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    batch = task.to_device(batch, env.device)
 
-    def compute_loss() -> torch.Tensor:
-        loss = task.loss(run.wrapped, batch)
+    def compute_loss(batch: Any) -> torch.Tensor:
+        loss = task.loss(run.wrapped, task.to_device(batch, env.device))
         extra = method.extra_loss(run.model)
         return loss if extra is None else loss + extra
 
@@ -300,7 +307,8 @@ def _step(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task, 
     # Skipping a step must also undo what the forward pass itself changed: BatchNorm running
     # statistics (a NaN batch would poison them for good) and the task's carried state.
     undo = snapshot(run.model, task) if cfg.nonfinite == "skip" else None
-    loss, bad = train_step(run, compute_loss, autocast=_autocast(cfg, env),
+    losses = [functools.partial(compute_loss, batch) for batch in batches]
+    loss, bad = train_step(run, losses, autocast=_autocast(cfg, env),
                            grad_clip=cfg.grad_clip, vote=vote, undo=undo)
     if bad is not None and cfg.nonfinite == "stop":
         raise TrainingError(
@@ -310,11 +318,11 @@ def _step(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task, 
     return loss, bad
 
 
-def _tokens_per_example(cfg: TrainConfig) -> int:
-    """Tokens in one example of a batch: a sequence for the LMs (llama packs ``seq_len``)."""
-    if not cfg.is_lm:
-        return 1
-    return cfg.seq_len if cfg.model == "llama" else cfg.bptt
+def _samples_per_step(cfg: TrainConfig) -> int:
+    """Images or tokens one process trains on per optimizer step: ``grad_accum`` micro-batches
+    of ``batch_size`` examples, each a sequence for the LMs (llama packs ``seq_len`` tokens)."""
+    tokens = (cfg.seq_len if cfg.model == "llama" else cfg.bptt) if cfg.is_lm else 1
+    return cfg.batch_size * cfg.grad_accum * tokens
 
 
 def _after_step(run: Run, steps: int) -> None:
@@ -360,19 +368,19 @@ def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
         # Per step this process took: after a mid-epoch resume the stats cover only those.
         # DiLoCo: its outer steps' bytes spread over all optimizer steps, so methods compare.
         "comm_bytes_per_step": per_step,
-        "comm_bytes_per_sample": per_step / (cfg.batch_size * _tokens_per_example(cfg)),
+        "comm_bytes_per_sample": per_step / _samples_per_step(cfg),
         "compress_time": stats.get("compress_time", 0.0),
         "comm_time": stats.get("comm_time", 0.0),
         # FSDP2: all-gather + reduce-scatter bytes and sharded memory (docs/benchmarks.md)
         **(fsdp.step_figures(run.model, run.optimizer,
-                             env.world_size if run.mesh is None else run.mesh.size(1))
+                             env.world_size if run.mesh is None else run.mesh.size(1),
+                             cfg.grad_accum)
            if cfg.parallel == "fsdp" else {}),
     }
     if run.mesh is not None:  # fsdp + diloco: every byte per step, inside and across replicas
         row["outer_bytes_per_step"] = per_step
         row["comm_bytes_per_step"] += per_step
-        row["comm_bytes_per_sample"] = row["comm_bytes_per_step"] / (
-            cfg.batch_size * _tokens_per_example(cfg))
+        row["comm_bytes_per_sample"] = row["comm_bytes_per_step"] / _samples_per_step(cfg)
     if run.sync is not None:
         row["outer_steps"] = run.sync.outer_steps  # of the run so far
         row["comm_bytes_per_outer_step"] = (stats.get("bytes_sent", 0.0)

@@ -233,7 +233,8 @@ def _decide(cfg: TrainConfig, env: DistEnv, run_dir: Path,
 
 
 def _default(name: str) -> Any:
-    """A TrainConfig field's default (None for a name that is no field)."""
+    """What a checkpoint written before field ``name`` existed ran with: its default (e.g.
+    ``grad_accum`` 1; None for a name that is no field)."""
     spec = TrainConfig.__dataclass_fields__.get(name)
     if spec is None:
         return None

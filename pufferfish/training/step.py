@@ -5,20 +5,31 @@ method) and of the step-time benchmark (``pufferfish bench``): forward under aut
 (scaled under AMP), clipping, then the update, or, when a vote finds something non-finite on any
 rank, no update on every rank. :class:`EpochMeter` counts and times an epoch's steps; its counters
 are one process's progress within the epoch, saved by mid-epoch checkpoints.
+
+Gradient accumulation (``--grad-accum N``): a step is N micro-batches (:func:`micro_batch_groups`
+groups a loader's batches), each loss divided by N, so the gradient is that of one batch N times
+larger; the gradients are synchronized once, in the last micro-batch's backward (DDP's
+``no_sync``, FSDP2's ``set_requires_gradient_sync``), so a comm hook (PowerSGD's error feedback
+included) runs once per optimizer step, and clipping, the non-finite vote and the AMP scaler too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["EpochMeter", "Replica", "train_step"]
+from ..distributed import fsdp
+
+__all__ = ["EpochMeter", "Replica", "micro_batch_groups", "train_step"]
+
+LossFn = Callable[[], torch.Tensor]
 
 
 @dataclass
@@ -32,25 +43,24 @@ class Replica:
     hook_state: Any = None  # the comm hook's state (memory, byte counters), None without DDP
 
 
-def train_step(replica: Replica, compute_loss: Callable[[], torch.Tensor], *,
+def train_step(replica: Replica, compute_loss: LossFn | Sequence[LossFn], *,
                autocast: contextlib.AbstractContextManager | None = None, grad_clip: float = 0.0,
                vote: Callable[[torch.Tensor], str | None] | None = None,
                undo: Callable[[], None] | None = None) -> tuple[torch.Tensor, str | None]:
     """One optimizer step on ``compute_loss()``; returns the loss and what was non-finite.
 
+    ``compute_loss`` may be a sequence, one closure per micro-batch (gradient accumulation, see
+    the module docs): the loss returned is then their mean, detached.
     ``vote(loss)``, after backward and clipping, says what is non-finite on any rank (None:
     nothing); then the update is skipped: gradients dropped, ``undo()`` restores what the forward
     pass changed (BatchNorm statistics, a task's carried state), the scaler lowers its scale.
     """
-    with autocast or contextlib.nullcontext():
-        loss = compute_loss()
     optimizer, scaler = replica.optimizer, replica.scaler
     optimizer.zero_grad(set_to_none=True)
+    losses = [compute_loss] if callable(compute_loss) else list(compute_loss)
+    loss = _backward(replica, losses, autocast)
     if scaler is not None:
-        scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
-    else:
-        loss.backward()
     if grad_clip > 0:
         nn.utils.clip_grad_norm_(replica.model.parameters(), grad_clip)
     bad = vote(loss) if vote is not None else None
@@ -66,6 +76,44 @@ def train_step(replica: Replica, compute_loss: Callable[[], torch.Tensor], *,
     else:
         optimizer.step()
     return loss, bad
+
+
+def _backward(replica: Replica, losses: list[LossFn],
+              autocast: contextlib.AbstractContextManager | None) -> torch.Tensor:
+    """Forward and backward of each micro-batch, gradients synchronized in the last one only;
+    the loss (one micro-batch), or the micro-batches' mean loss (detached)."""
+    n, total = len(losses), None
+    for k, compute in enumerate(losses):
+        with _sync_deferred(replica.wrapped) if k < n - 1 else contextlib.nullcontext():
+            with autocast or contextlib.nullcontext():
+                loss = compute()
+            part = loss / n if n > 1 else loss
+            (part if replica.scaler is None else replica.scaler.scale(part)).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    assert total is not None, "a step needs at least one micro-batch"
+    return loss if n == 1 else total / n
+
+
+def _sync_deferred(wrapped: nn.Module) -> contextlib.AbstractContextManager:
+    """No gradient synchronization in this micro-batch's backward: DDP's ``no_sync``, FSDP2's
+    gradient sync off; nothing to defer without either (one process, DiLoCo's inner steps)."""
+    if isinstance(wrapped, DistributedDataParallel):
+        return wrapped.no_sync()
+    if fsdp.is_sharded(wrapped):
+        return fsdp.gradient_sync_off(wrapped)
+    return contextlib.nullcontext()
+
+
+def micro_batch_groups(loader: Iterable[Any], n: int) -> Iterator[list[Any]]:
+    """``loader``'s batches in consecutive groups of ``n``, one group per optimizer step. An
+    epoch's last group, when incomplete, is dropped: every step averages ``n`` micro-batches (the
+    same gradient scale, the same samples per step on every rank)."""
+    group: list[Any] = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == n:
+            yield group
+            group = []
 
 
 class EpochMeter:

@@ -22,11 +22,13 @@ from ..config import TrainConfig
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 
-__all__ = ["RUN_FIELDS", "ImageTask", "LanguageTask", "Task", "build_task", "run_fields"]
+__all__ = ["RUN_FIELDS", "ImageTask", "LanguageTask", "Task", "build_task", "run_fields",
+           "steps_per_epoch"]
 
-# Configuration fields that define what a task computes (its data, model and batches): a resume
-# with any of them changed is refused (with the method's own, see Method.run_fields).
-RUN_FIELDS = ("model", "width", "data", "seed", "train_subset", "batch_size")
+# Configuration fields that define what a task computes (its data, model and batches, and the
+# micro-batches of each optimizer step): a resume with any of them changed is refused (with the
+# method's own, see Method.run_fields).
+RUN_FIELDS = ("model", "width", "data", "seed", "train_subset", "batch_size", "grad_accum")
 # llama's packed sequences and its BPE vocabulary: a resume with another would feed the saved
 # model other tokens (or fail on the embedding's shape deep in load_state_dict).
 PACKED_LM_FIELDS = ("seq_len", "vocab_size")
@@ -36,6 +38,18 @@ def run_fields(cfg: TrainConfig) -> tuple[str, ...]:
     """The fields a resume of ``cfg``'s task may not change: :data:`RUN_FIELDS`, and for llama
     :data:`PACKED_LM_FIELDS` (other models ignore them, so older runs' configs need not have them)."""
     return RUN_FIELDS + (PACKED_LM_FIELDS if cfg.model == "llama" else ())
+
+
+def steps_per_epoch(cfg: TrainConfig, task: Task) -> int:
+    """Optimizer steps per epoch: the loader's micro-batches in groups of ``grad_accum`` (an
+    incomplete last group dropped, :func:`~pufferfish.training.step.micro_batch_groups`)."""
+    micro = len(task.train_loader)
+    if micro < cfg.grad_accum:
+        raise datasets.DataError(
+            f"grad_accum {cfg.grad_accum} is invalid with {micro} micro-batch(es) of "
+            f"{cfg.batch_size} per epoch and process: allowed --grad-accum <= {micro}, or a "
+            "smaller --batch-size, or more data")
+    return micro // cfg.grad_accum
 
 
 class Task(Protocol):
