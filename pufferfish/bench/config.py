@@ -138,6 +138,10 @@ class BenchConfig:
                              + ", ".join(BENCH_METHODS))
         for m in self.methods:
             hook_for(m)
+        if "galore" in self.methods and self.model not in LM_MODELS:
+            raise ValueError(f"method 'galore' is invalid with model {self.model!r}: GaLore's "
+                             "AdamW would race the image models' SGD; allowed with "
+                             f"{', '.join(LM_MODELS)} (every method there steps with AdamW)")
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"--methods {','.join(self.methods)!r} names a method twice")
         self._validate_fsdp()
