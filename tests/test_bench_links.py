@@ -58,7 +58,7 @@ def test_parse_compute_ms(value: Any, expected: tuple[float, float | None]) -> N
 @pytest.mark.parametrize("value", ["", "0", "-5", "x", "factorized=20", "full=4,full=5",
                                    "full=4,lowrank=2", "full=inf", True])
 def test_parse_compute_ms_refuses(value: Any) -> None:
-    with pytest.raises(ValueError, match="--compute-ms .* is invalid: allowed full=MS,factorized"):
+    with pytest.raises(ValueError, match=r"--compute-ms .* is invalid: allowed full=MS,factorized"):
         parse_compute_ms(value)
 
 

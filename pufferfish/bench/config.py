@@ -133,17 +133,7 @@ class BenchConfig:
         if self.model in LM_MODELS and (self.train or self.accuracy_runs):
             raise ValueError(f"model {self.model!r}: --train and --accuracy-runs are for the "
                              f"image models ({', '.join(IMAGE_MODELS)}); step times only")
-        if not self.methods:
-            raise ValueError("--methods is empty: allowed a comma-separated list of "
-                             + ", ".join(BENCH_METHODS))
-        for m in self.methods:
-            hook_for(m)
-        if "galore" in self.methods and self.model not in LM_MODELS:
-            raise ValueError(f"method 'galore' is invalid with model {self.model!r}: GaLore's "
-                             "AdamW would race the image models' SGD; allowed with "
-                             f"{', '.join(LM_MODELS)} (every method there steps with AdamW)")
-        if len(set(self.methods)) != len(self.methods):
-            raise ValueError(f"--methods {','.join(self.methods)!r} names a method twice")
+        self._validate_methods()
         self._validate_fsdp()
         if not self.bandwidths:
             raise ValueError("--bandwidth is empty: allowed e.g. loopback,1gbit,100mbit")
@@ -206,6 +196,20 @@ class BenchConfig:
                 f"Fashion-MNIST directory {str(data)!r} does not exist: install the Debian "
                 "package dataset-fashion-mnist or pass --data-dir"
             )
+
+    def _validate_methods(self) -> None:
+        """``--methods``: known, each once, and compared with one optimizer per workload."""
+        if not self.methods:
+            raise ValueError("--methods is empty: allowed a comma-separated list of "
+                             + ", ".join(BENCH_METHODS))
+        for m in self.methods:
+            hook_for(m)
+        if "galore" in self.methods and self.model not in LM_MODELS:
+            raise ValueError(f"method 'galore' is invalid with model {self.model!r}: GaLore's "
+                             "AdamW would race the image models' SGD; allowed with "
+                             f"{', '.join(LM_MODELS)} (every method there steps with AdamW)")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"--methods {','.join(self.methods)!r} names a method twice")
 
     def _validate_fsdp(self) -> None:
         """``--parallel`` and the FSDP2 methods: what ``pufferfish train --parallel fsdp``

@@ -21,14 +21,16 @@ link for real and then extrapolates with an explicit model:
    min–max spread, and the ratio to DDP taken within each round, so that one noisy moment
    of a shared machine cannot decide a row.
 3. :mod:`pufferfish.bench.projection` turns the measured compute/compress time and bytes
-   into step times for 8/16/64 workers at 1/10/100 Gbit/s, with each method's crossover
-   bandwidth against DDP, and predicts the measured 2-worker runs (its error column shows
-   how far to trust it).
+   into step times for 8/16/64 workers at 1/10/100 Gbit/s (at ``--alpha-us`` and at it plus
+   each link's delay), with each method's crossover bandwidth against DDP, and predicts the
+   measured 2-worker runs at each link's probed rate and latency (its error column shows how
+   far to trust it).
 4. With ``--accuracy-runs`` (``pufferfish train`` runs, one per method),
    :mod:`pufferfish.bench.accuracy` turns their per-epoch accuracy and the measured step
    times into accuracy against wall-clock time on each link and the time to reach DDP's
-   final accuracy minus 0.5/1 point; with ``--compute-ms`` also for 8 and 64 workers at
-   1/10/100 Gbit/s at that GPU compute time per step (projected).
+   final accuracy minus 0.5/1 point; with ``--compute-ms full=MS,factorized=MS`` also for 8
+   and 64 workers at 1/10/100 Gbit/s at those GPU compute times per step (projected; without
+   the factorized figure at this CPU's low-rank/full ratio, which the log and results say).
 
 Outputs in ``--out``: ``results.json`` (per-round records, rows, time to accuracy),
 ``projection.json``, ``results.md`` and the plots ``step_time.png`` / ``projection.png``
