@@ -139,6 +139,7 @@ def test_emulated_link_shapes_all_reduce() -> None:
     loop = run_probe(None, nbytes=nbytes)
 
     assert shaped.correct and loop.correct
+    assert shaped.latency_s > 0 and loop.latency_s > 0  # the round trip is probed too
     assert 0.3 * rate < shaped.bus_bps < 1.5 * rate, format_bps(shaped.bus_bps)
     assert loop.bus_bps > 3 * shaped.bus_bps, (format_bps(loop.bus_bps), format_bps(shaped.bus_bps))
 
@@ -201,4 +202,9 @@ def test_delay_needs_netem_and_never_leaks() -> None:
                 check=True,
             ).stdout
             assert "netem" in qdisc and "tbf" in qdisc
+            probed = run_probe(link, nbytes=100_000)
+        # A one-float all-reduce of 2 ranks is a round trip: at least 2 x 5 ms (a lower bound
+        # that load cannot break; the shaper adds, never removes, delay).
+        assert probed.correct and probed.latency_s >= 0.010
+        assert probed.alpha_s == probed.latency_s / 2
     assert _our_namespaces() == []

@@ -5,7 +5,9 @@ imports torch, not the whole pufferfish package: startup time counts against the
 test budget, and the probe must work even while other modules are mid-edit.
 
 Each rank fills a float32 tensor with ``rank + 1``, all-reduces it (sum) and checks
-every element equals ``n(n+1)/2``; it prints one JSON line with the elapsed time.
+every element equals ``n(n+1)/2``; then it times ``--small-iters`` all-reduces of one float, whose
+median is the link's latency as a collective sees it (two ranks: one round trip, as a ring
+all-reduce is a reduce-scatter step and an all-gather step); it prints one JSON line with both.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import time
 
 import torch
@@ -23,6 +26,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nbytes", type=int, default=25_000_000)
     ap.add_argument("--iters", type=int, default=1)
+    ap.add_argument("--small-iters", type=int, default=10)
     args = ap.parse_args()
     torch.set_num_threads(1)  # the machine is shared; summing is not the bottleneck
 
@@ -42,6 +46,14 @@ def main() -> int:
         dist.all_reduce(x)
         elapsed += time.perf_counter() - t0
         correct = correct and bool(torch.all(x == expected).item())
+    small: list[float] = []
+    for _ in range(max(1, args.small_iters)):
+        one = torch.full((1,), float(rank + 1))
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(one)
+        small.append(time.perf_counter() - t0)
+        correct = correct and float(one.item()) == expected
     dist.barrier()
     print(
         json.dumps(
@@ -50,6 +62,7 @@ def main() -> int:
                 "world": world,
                 "nbytes": numel * 4,
                 "seconds": elapsed,
+                "small_seconds": statistics.median(small),
                 "correct": correct,
             }
         ),

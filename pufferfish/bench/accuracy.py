@@ -8,7 +8,9 @@ accuracy against time on a slow link needs no training over that link: it combin
   method, trained anywhere: e.g. two processes over loopback), with
 * the step times :mod:`pufferfish.bench.runner` measures for the same model and batch on
   each link (median over rounds, with min–max), or projects with the α-β model of
-  :mod:`pufferfish.bench.projection` for ``p`` workers at a user's GPU compute time.
+  :mod:`pufferfish.bench.projection` for ``p`` workers at a user's GPU compute time
+  (``--compute-ms full=MS,factorized=MS``) and at each latency the
+  projection is shown at.
 
 Time at the end of epoch ``e`` is ``sum over epochs <= e of steps_per_epoch x step time``
 of the method in that epoch's phase: a factorized method (Pufferfish) steps at its
@@ -285,46 +287,61 @@ def projected_curves(
     workers: Sequence[int] = PROJECTED_WORKERS,
     bandwidths: Sequence[float] = proj.DEFAULT_BANDWIDTHS,
     alpha: float = proj.DEFAULT_ALPHA,
+    factorized_ms: float | None = None,
+    alphas: Sequence[float] | None = None,
 ) -> tuple[list[Curve], dict[str, float]]:
-    """Curves for ``p`` workers at each bandwidth, with step times from the α-β model.
+    """Curves for ``p`` workers at each bandwidth (and each of ``alphas``, default ``alpha``),
+    with step times from the α-β model.
 
     The full-rank model computes ``compute_ms`` per step (the user's GPU time for one
-    worker's batch); every measured compute-side time (a factorized model's compute, a
-    hook's encode/decode) is scaled by the same factor ``compute_ms / measured full-rank
-    compute``, i.e. Pufferfish keeps the low-rank/full compute ratio measured here.
-    Communication is the model's, with no overlap. Weak scaling: each worker keeps the
-    runs' batch, so an epoch has ``N // p // batch`` steps, and accuracy per epoch is
-    assumed to stay that of the runs (an assumption at a larger global batch).
-    Returns the curves and ``{"scale", "lowrank_compute_ratio"}``.
+    worker's batch) and the factorized one ``factorized_ms``; every measured compute-side time
+    (compute, a hook's encode/decode) of a model is scaled by that model's factor (user's ms /
+    measured ms here). Without ``factorized_ms`` the factorized model is scaled by the
+    full-rank factor, i.e. keeps the low-rank/full compute ratio measured on this CPU
+    (``info["assumes_cpu_ratio"]``). Communication is the model's, with no overlap. Weak
+    scaling: each worker keeps the runs' batch, so an epoch has ``N // p // batch`` steps, and
+    accuracy per epoch is assumed to stay that of the runs (an assumption at a larger global
+    batch). Returns the curves and ``{"scale", "factorized_scale", "lowrank_compute_ratio"
+    (as projected), "cpu_lowrank_compute_ratio", "assumes_cpu_ratio"}``.
     """
     by_method = {p.method: p for p in profiles}
     base = by_method.get("ddp") or next(
         (p for p in profiles if not hook_for(p.method)[0]), None)
     if base is None or base.compute_time <= 0:
         raise ValueError("the projection needs a measured full-rank method (e.g. ddp)")
+    low = by_method.get("pufferfish") or next(
+        (p for p in profiles if hook_for(p.method)[0]), None)
     scale = compute_ms / 1e3 / base.compute_time
-    factorized = [p.compute_time for p in profiles if hook_for(p.method)[0]]
-    info = {"scale": scale,
-            "lowrank_compute_ratio": (factorized[0] / base.compute_time) if factorized else math.nan}
+    low_scale = (factorized_ms / 1e3 / low.compute_time
+                 if factorized_ms is not None and low is not None and low.compute_time > 0
+                 else scale)
+    cpu_ratio = low.compute_time / base.compute_time if low is not None else math.nan
+    info = {"scale": scale, "factorized_scale": low_scale,
+            "lowrank_compute_ratio": cpu_ratio * low_scale / scale,
+            "cpu_lowrank_compute_ratio": cpu_ratio, "assumes_cpu_ratio": factorized_ms is None}
 
-    def step_at(method: str, p: int, bw: float) -> StepTime | None:
+    def step_at(method: str, p: int, bw: float, a: float) -> StepTime | None:
         prof = by_method.get(method)
         if prof is None:
             return None
-        gpu = proj.CommProfile(prof.method, prof.compute_time * scale, prof.compress_time * scale,
+        k = low_scale if hook_for(method)[0] else scale
+        gpu = proj.CommProfile(prof.method, prof.compute_time * k, prof.compress_time * k,
                                prof.payload_bytes, prof.collectives, prof.kind)
-        return StepTime.exact(proj.step_time(gpu, p, bw, alpha))
+        return StepTime.exact(proj.step_time(gpu, p, bw, a))
 
     curves: list[Curve] = []
-    for p in workers:
-        for bw in bandwidths:
-            regime = f"p={p}, {format_bps(bw)}"
-            for method, run in runs.items():
-                full, low = (step_at(m, p, bw) for m in phase_methods(method))
-                if full is None or low is None:
-                    continue
-                steps = steps_per_epoch(run.train_examples, run.batch_size, p)
-                curves.append(_curve(run, regime, steps, full, low))
+    latencies = list(alphas) if alphas else [alpha]
+    for a in latencies:
+        for p in workers:
+            for bw in bandwidths:
+                regime = f"p={p}, {format_bps(bw)}"
+                regime += f", α {proj.format_alpha(a)}" if len(latencies) > 1 else ""
+                for method, run in runs.items():
+                    full, low_step = (step_at(m, p, bw, a) for m in phase_methods(method))
+                    if full is None or low_step is None:
+                        continue
+                    steps = steps_per_epoch(run.train_examples, run.batch_size, p)
+                    curves.append(_curve(run, regime, steps, full, low_step))
     return curves, info
 
 
@@ -463,19 +480,34 @@ def markdown(tta: Mapping[str, Any]) -> list[str]:
         lines += [
             "", "## Time to accuracy, PROJECTED for "
             + " and ".join(str(p) for p in pj["workers"]) + " workers", "",
-            f"Projected, not measured. Full-rank compute {pj['compute_ms']:g} ms per step "
-            "(`--compute-ms`, one worker's batch on the user's GPU); every compute-side time "
-            f"measured here (compute, hook encode/decode) is scaled by the same factor "
-            f"{pj['scale']:.3g}, so the factorized model keeps the low-rank/full compute ratio "
-            f"measured here ({pj['lowrank_compute_ratio']:.2f}); the MAC ratio would flatter "
-            "it, as small factorized layers do not run at full speed. Communication: the ring "
-            f"α-β model (α = {1e6 * pj['alpha']:g} µs), no overlap with backward (an upper "
+            f"Projected, not measured. {_compute_note(pj)} Communication: the ring "
+            f"α-β model (α = {_alphas(pj)} per message), no overlap with backward (an upper "
             "bound). Weak scaling: each worker keeps the runs' batch, so an epoch has "
             "⌊N / p⌋ / batch steps, and accuracy per epoch is assumed to stay the runs' "
             "(an assumption at the larger global batch).", "",
             *_table(pj["table"], points, "regime", ranges=False),
         ]
     return lines
+
+
+def _compute_note(pj: Mapping[str, Any]) -> str:
+    """How the projected compute times were set: the user's figures, or the CPU's ratio."""
+    head = (f"Full-rank compute {pj['compute_ms']:g} ms per step (`--compute-ms`, one worker's "
+            "batch on the user's GPU)")
+    if pj.get("assumes_cpu_ratio", True):
+        return (f"{head}; no factorized figure given, so every compute-side time measured here "
+                f"(compute, hook encode/decode) is scaled by the same factor {pj['scale']:.3g}: "
+                "ASSUMES the factorized model keeps the low-rank/full compute ratio of this CPU "
+                f"({pj['lowrank_compute_ratio']:.2f}); the MAC ratio would flatter it, as small "
+                "factorized layers do not run at full speed.")
+    return (f"{head}, factorized {pj['factorized_compute_ms']:g} ms (the user's figure: a "
+            f"low-rank/full ratio of {pj['lowrank_compute_ratio']:.2f}, this CPU's "
+            f"{pj['cpu_lowrank_compute_ratio']:.2f}); each model's hook encode/decode is scaled "
+            "by its model's factor.")
+
+
+def _alphas(pj: Mapping[str, Any]) -> str:
+    return " and ".join(proj.format_alpha(a) for a in pj.get("alphas") or [pj["alpha"]])
 
 
 def plot(tta: Mapping[str, Any], out: Path) -> list[Path]:

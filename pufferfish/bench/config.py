@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from ..distributed.buckets import parse_bucket_mb
 from ..distributed.hooks import with_option_fields
 from . import accuracy as acc
 from . import projection as proj
-from .bandwidth import parse_bandwidth
+from .bandwidth import parse_link
 from .step import (
     BENCH_METHODS,
     FSDP_METHODS,
@@ -29,6 +30,7 @@ from .step import (
 )
 
 __all__ = [
+    "COMPUTE_MS_FORM",
     "DEFAULT_METHODS",
     "IMAGE_MODELS",
     "STEP_TIMEOUT",
@@ -37,12 +39,41 @@ __all__ = [
     "config_from_args",
     "load_results",
     "parallel_methods",
+    "parse_compute_ms",
     "results_path",
 ]
 
 DEFAULT_METHODS = ("ddp", "fp16", "powersgd", "signum", "topk", "pufferfish")
 IMAGE_MODELS = ("resnet18", "vgg19_bn")
 STEP_TIMEOUT = 3600.0  # per worker group, when --timeout is not given
+
+
+COMPUTE_MS_FORM = ("full=MS,factorized=MS, your GPU's ms per step of each model with MS > 0 "
+                   "(e.g. full=40,factorized=22), or full=MS / MS alone")
+
+
+def parse_compute_ms(value: str | float) -> tuple[float, float | None]:
+    """``--compute-ms`` as ``(full-rank ms, factorized ms or None)``; ``ValueError`` (one line)
+    names the value and :data:`COMPUTE_MS_FORM`. Without the factorized figure the projection
+    scales the factorized model's time by the CPU's low-rank/full ratio (:func:`~pufferfish.bench.accuracy.projected_curves`).
+    """
+    bad = ValueError(f"--compute-ms {str(value)!r} is invalid: allowed {COMPUTE_MS_FORM}")
+    if isinstance(value, bool):
+        raise bad
+    text = str(value).strip()
+    found: dict[str, float] = {}
+    for item in (text.split(",") if "=" in text else [f"full={text}"]):
+        key, _, ms = (x.strip() for x in item.partition("="))
+        try:
+            number = float(ms)
+        except ValueError:
+            raise bad from None
+        if key not in ("full", "factorized") or key in found or not 0 < number < math.inf:
+            raise bad
+        found[key] = number
+    if "full" not in found:
+        raise bad
+    return found["full"], found.get("factorized")
 
 
 @dataclass
@@ -78,7 +109,7 @@ class BenchConfig:
     # time to accuracy from existing runs' accuracy and the measured (or reused) step times
     accuracy_runs: str = ""
     accuracy_processes: int = 0  # processes the accuracy runs trained on (0: --workers)
-    compute_ms: float | None = None
+    compute_ms: str | float | None = None  # --compute-ms: parse_compute_ms's forms
     from_results: str = ""
     # --train
     train: bool = False
@@ -103,17 +134,11 @@ class BenchConfig:
         if self.model in LM_MODELS and (self.train or self.accuracy_runs):
             raise ValueError(f"model {self.model!r}: --train and --accuracy-runs are for the "
                              f"image models ({', '.join(IMAGE_MODELS)}); step times only")
-        if not self.methods:
-            raise ValueError("--methods is empty: allowed a comma-separated list of "
-                             + ", ".join(BENCH_METHODS))
-        for m in self.methods:
-            hook_for(m)
-        if len(set(self.methods)) != len(self.methods):
-            raise ValueError(f"--methods {','.join(self.methods)!r} names a method twice")
+        self._validate_methods()
         self._validate_fsdp()
         if not self.bandwidths:
             raise ValueError("--bandwidth is empty: allowed e.g. loopback,1gbit,100mbit")
-        rates = [parse_bandwidth(b) for b in self.bandwidths]
+        rates = [parse_link(b)[0] for b in self.bandwidths]
         if self.workers < 2:
             raise ValueError(f"--workers {self.workers} is invalid: allowed >= 2 (DDP)")
         if self.workers != 2 and any(r is not None for r in rates):
@@ -185,6 +210,19 @@ class BenchConfig:
             raise ValueError(f"--grad-accum {n} is invalid with --train or --accuracy-runs "
                              "(time to accuracy counts steps of one batch): allowed 1, or step "
                              "times only")
+    def _validate_methods(self) -> None:
+        """``--methods``: known, each once, and compared with one optimizer per workload."""
+        if not self.methods:
+            raise ValueError("--methods is empty: allowed a comma-separated list of "
+                             + ", ".join(BENCH_METHODS))
+        for m in self.methods:
+            hook_for(m)
+        if "galore" in self.methods and self.model not in LM_MODELS:
+            raise ValueError(f"method 'galore' is invalid with model {self.model!r}: GaLore's "
+                             "AdamW would race the image models' SGD; allowed with "
+                             f"{', '.join(LM_MODELS)} (every method there steps with AdamW)")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"--methods {','.join(self.methods)!r} names a method twice")
 
     def _validate_fsdp(self) -> None:
         """``--parallel`` and the FSDP2 methods: what ``pufferfish train --parallel fsdp``
@@ -213,9 +251,8 @@ class BenchConfig:
     def _validate_accuracy(self) -> None:
         """``--accuracy-runs`` / ``--compute-ms``: the runs exist, match the measured model and
         batch, and the bench measures every step time their curves need."""
-        if self.compute_ms is not None and not self.compute_ms > 0:
-            raise ValueError(f"compute_ms {self.compute_ms!r} is invalid: allowed > 0 "
-                             "(milliseconds of one full-rank training step on your GPU)")
+        if self.compute_ms is not None:
+            parse_compute_ms(self.compute_ms)
         if self.accuracy_processes < 0:
             raise ValueError(f"accuracy_processes {self.accuracy_processes} is invalid: allowed "
                              ">= 1, or 0 for --workers")
@@ -297,8 +334,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "side by side, keep ddp and name them: --methods "
                          "ddp,pufferfish,fsdp,pufferfish+fsdp")
     ap.add_argument("--bandwidth", default="loopback",
-                    help="comma-separated: loopback and/or emulated rates such as 1gbit,100mbit "
-                         "(emulation needs root + iproute2 and exactly 2 workers)")
+                    help="comma-separated: loopback and/or emulated rates such as 1gbit,100mbit, "
+                         "each with an optional one-way latency, e.g. 100mbit,100mbit@20ms "
+                         "(emulation needs root + iproute2, a latency netem, and exactly 2 "
+                         "workers)")
     ap.add_argument("--workers", type=int, default=d.workers,
                     help="processes per group; more than 2 only on loopback")
     ap.add_argument("--steps", type=int, default=d.steps,
@@ -346,10 +385,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--accuracy-processes", type=int, default=d.accuracy_processes,
                     metavar="N", help="processes the --accuracy-runs trained on, when not "
                     "--workers (e.g. 1: one GPU at batch 128 for 2 workers x 64); 0: --workers")
-    ap.add_argument("--compute-ms", type=float, default=d.compute_ms,
-                    help="with --accuracy-runs: your GPU's time per full-rank training step "
-                         "(one worker's batch), to project time to accuracy for 8 and 64 "
-                         "workers at 1/10/100 Gbit/s")
+    ap.add_argument("--compute-ms", default=d.compute_ms, metavar="full=MS,factorized=MS",
+                    help="with --accuracy-runs: your GPU's time per training step of the "
+                         "full-rank and the factorized model (one worker's batch), to project "
+                         "time to accuracy for 8 and 64 workers at 1/10/100 Gbit/s; a single MS "
+                         "(or no factorized=) scales the factorized model by this CPU's "
+                         "low-rank/full ratio, an assumption the results state")
     ap.add_argument("--from-results", default=d.from_results, metavar="RESULTS_JSON",
                     help="reuse the step times of an earlier bench (its results.json, or its "
                          "--out directory) instead of measuring; measurement flags are ignored")

@@ -82,7 +82,12 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
         "",
         "## Links",
         "",
-        *markdown_table(["bandwidth", "nominal", "probed all-reduce bus bandwidth"],
+        "A link's delay is netem's, each way (`100mbit@20ms`); the probed round trip is the "
+        "median all-reduce of one float (2 workers: one round trip), whose half is the α the "
+        "predicted column uses (not probed: --alpha-us + the delay).",
+        "",
+        *markdown_table(["bandwidth", "nominal", "one-way delay",
+                         "probed all-reduce bus bandwidth", "probed round trip"],
                         _link_rows(result)),
     ]
     lines += ["", "Measuring order:", ""]
@@ -112,9 +117,12 @@ def _link_rows(result: dict[str, Any]) -> list[list[str]]:
     """Each link's nominal and probed rate, then the links skipped (with why)."""
     rows = [[link["bandwidth"],
              format_bps(link["bandwidth_bps"]) if link["bandwidth_bps"] else "-",
-             format_bps(link["link_bps"]) if link["link_bps"] else "-"]
+             f"{link['delay_ms']:g} ms" if link.get("delay_ms") else "-",
+             format_bps(link["link_bps"]) if link["link_bps"] else "-",
+             _ms(link.get("link_rtt_s")) + " ms" if link.get("link_rtt_s") else "-"]
             for link in result["links"]]
-    return rows + [[s["bandwidth"], f"skipped: {s['reason']}", "-"] for s in result["skipped"]]
+    return rows + [[s["bandwidth"], f"skipped: {s['reason']}", "-", "-", "-"]
+                   for s in result["skipped"]]
 
 
 def _measured_cells(r: dict[str, Any]) -> list[str]:
@@ -214,31 +222,39 @@ def _projection_markdown(projection: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     bws = projection["bandwidths_bps"]
+    alphas = projection.get("alphas") or [projection["alpha"]]
+    shown = " and ".join(proj.format_alpha(a) for a in alphas)
     lines = [
         "",
         "## Projection (ring α-β model)",
         "",
-        f"α = {projection['alpha'] * 1e6:g} µs per message. Step = measured compute (median "
+        f"α = {shown} per message (--alpha-us, plus each link's one-way delay), paid once per "
+        "collective: DDP one per bucket, PowerSGD three per bucket, DiLoCo one per outer step "
+        "(1/inner-steps per step). Step = measured compute (median "
         "over all rows of the same model: full-rank or factorized, DDP's or FSDP2's) + the "
         "method's median compress + modelled communication with no overlap; all-reduce methods send 2(p-1)/p "
         "of their payload, all-gather ones (signum, topk) (p-1) times it, FSDP2 (p-1)/p of the "
         "unsharded bytes its all-gathers and reduce-scatters move. Cells: step ms "
         "(speedup vs ddp).",
     ]
-    for p in projection["workers"]:
-        head = ["method", *[format_bps(b) for b in bws], "crossover vs ddp"]
-        table = []
-        for m in dict.fromkeys(r["method"] for r in rows):
-            cells = []
-            for b in bws:
-                r = next(x for x in rows if x["method"] == m and x["workers"] == p
-                         and x["bandwidth_bps"] == b)
-                speed = f" ({r['speedup_vs_ddp']:.2f}x)" if r["speedup_vs_ddp"] else ""
-                cells.append(f"{_ms(r['step_time'])}{speed}")
-            cross = projection["crossovers"].get(m, {}).get(str(p))
-            table.append([m, *cells, proj.Crossover(**cross).describe() if cross else "-"])
-        lines += ["", f"### p = {p}", "", *markdown_table(head, table)]
+    for a in alphas:
+        for p in projection["workers"]:
+            head = ["method", *[format_bps(b) for b in bws], "crossover vs ddp"]
+            table = []
+            for m in dict.fromkeys(r["method"] for r in rows):
+                cells = []
+                for b in bws:
+                    r = next(x for x in rows if x["method"] == m and x["workers"] == p
+                             and x["bandwidth_bps"] == b and x.get("alpha", a) == a)
+                    speed = f" ({r['speedup_vs_ddp']:.2f}x)" if r["speedup_vs_ddp"] else ""
+                    cells.append(f"{_ms(r['step_time'])}{speed}")
+                cross = ("-" if r["crossover_region"] is None or m == "ddp" else proj.Crossover(
+                    r["crossover_region"], r["crossover_bps"]).describe())
+                table.append([m, *cells, cross])
+            title = f"p = {p}" + (f", α = {proj.format_alpha(a)}" if len(alphas) > 1 else "")
+            lines += ["", f"### {title}", "", *markdown_table(head, table)]
     return lines
+
 
 
 def train_markdown(cfg: BenchConfig, runs: list[dict[str, Any]],

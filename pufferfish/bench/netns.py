@@ -47,7 +47,7 @@ from types import TracebackType
 from .bandwidth import format_bps
 from .cleanup import install_handlers, live_links
 
-__all__ = ["EmulatedLink", "cleanup_stale", "netem_available", "netns_available"]
+__all__ = ["EmulatedLink", "cleanup_stale", "netem_available", "netns_available", "qdisc_commands"]
 
 NS_PREFIX = "pf-"
 _NS_RE = re.compile(r"^pf-(\d+)-([0-9a-f]+)-(\w+)$")
@@ -222,6 +222,20 @@ def _tbf_params(rate_bps: int, delay_ms: float) -> tuple[int, float]:
     return burst, latency_ms
 
 
+def qdisc_commands(ns: str, ifname: str, rate_bps: int, delay_ms: float) -> list[list[str]]:
+    """The ``tc`` commands that shape one veth end's egress: ``tbf`` at ``rate_bps``, behind a
+    ``netem`` one-way delay of ``delay_ms`` when it is > 0 (netem delays first, then tbf, netem's
+    only child at class 1:1, shapes). Each end shapes its own egress, so both directions get
+    rate + delay (a round trip of 2 x ``delay_ms``)."""
+    burst, latency_ms = _tbf_params(rate_bps, delay_ms)
+    tbf = f"tbf rate {_tc_rate(rate_bps)} burst {burst} latency {latency_ms:g}ms".split()
+    qdisc = f"tc -n {ns} qdisc add dev {ifname}".split()
+    if delay_ms <= 0:
+        return [[*qdisc, "root", *tbf]]
+    return [[*qdisc, *f"root handle 1: netem delay {delay_ms:g}ms limit 100000".split()],
+            [*qdisc, "parent", "1:1", "handle", "10:", *tbf]]
+
+
 class EmulatedLink:
     """A point-to-point link of ``rate_bps`` between two fresh network namespaces.
 
@@ -292,24 +306,11 @@ class EmulatedLink:
         _run(
             f"ip link add name {ifs[0]} netns {ns[0]} type veth peer name {ifs[1]} netns {ns[1]}".split()
         )
-        burst, latency_ms = _tbf_params(self.rate_bps, self.delay_ms)
-        tbf = f"tbf rate {_tc_rate(self.rate_bps)} burst {burst} latency {latency_ms:g}ms".split()
         for name, ifname, addr in zip(ns, ifs, self.addresses):
             _run(f"ip -n {name} addr add {addr}/{self.prefixlen} dev {ifname}".split())
             _run(f"ip -n {name} link set {ifname} up".split())
-            qdisc = f"tc -n {name} qdisc add dev {ifname}".split()
-            if self.delay_ms > 0:
-                # netem delays first, then tbf (netem's only child, class 1:1) shapes.
-                # Each end shapes its own egress, so both directions get rate + delay.
-                _run(
-                    [
-                        *qdisc,
-                        *f"root handle 1: netem delay {self.delay_ms:g}ms limit 100000".split(),
-                    ]
-                )
-                _run([*qdisc, "parent", "1:1", "handle", "10:", *tbf])
-            else:
-                _run([*qdisc, "root", *tbf])
+            for argv in qdisc_commands(name, ifname, self.rate_bps, self.delay_ms):
+                _run(argv)
         # The kernel reports carrier asynchronously (linkwatch); wait for both ends to be
         # UP so a worker that connects immediately does not race the link coming up.
         deadline = time.monotonic() + 5.0

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from . import projection as proj
-from .bandwidth import parse_bandwidth
+from .bandwidth import parse_link
 
 __all__ = ["plot_results"]
 
@@ -21,9 +21,13 @@ def plot_results(result: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     recs = result["rows"]
-    # Fastest link on the left: loopback, then emulated rates in decreasing order.
-    order = sorted(dict.fromkeys(r["bandwidth"] for r in recs),
-                   key=lambda b: -(parse_bandwidth(b) or float("inf")))
+    # Fastest link on the left: loopback, then emulated rates in decreasing order (the same rate
+    # without delay before with).
+    def speed(b: str) -> tuple[float, float]:
+        rate, delay = parse_link(b)
+        return -(rate or float("inf")), delay
+
+    order = sorted(dict.fromkeys(r["bandwidth"] for r in recs), key=speed)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for m in dict.fromkeys(r["method"] for r in recs):
         pts = sorted((order.index(r["bandwidth"]), r["step_time"], *r["spread"]["step_time"])

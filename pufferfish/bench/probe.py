@@ -1,6 +1,7 @@
-"""What a link really delivers: a timed, checked gloo all-reduce across it.
+"""What a link really delivers: a timed, checked gloo all-reduce across it, and its latency.
 
-Lets the bench print "emulated 100mbit, measured 94 Mbit/s", so a misconfigured link shows.
+Lets the bench print "emulated 100mbit, measured 94 Mbit/s", so a misconfigured link shows, and
+"round trip 40.3 ms" for a link emulated with a 20 ms one-way delay (``100mbit@20ms``).
 The worker side is ``_probe.py``; ``python -m pufferfish.bench.probe 100mbit`` measures links.
 """
 
@@ -12,11 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .bandwidth import format_bps, parse_bandwidth
+from .bandwidth import format_bps, parse_link
 from .netns import EmulatedLink, cleanup_stale, netem_available, netns_available
 from .workers import run_workers
 
-__all__ = ["ProbeResult", "measure_throughput", "run_probe"]
+__all__ = ["ProbeResult", "measure_link", "measure_throughput", "run_probe"]
 
 _PROBE = Path(__file__).with_name("_probe.py")
 
@@ -30,6 +31,12 @@ class ProbeResult:
     bus_bps: float
     correct: bool
     world_size: int
+    latency_s: float = 0.0  # median all-reduce of one float (slowest rank): 2 ranks, a round trip
+
+    @property
+    def alpha_s(self) -> float:
+        """Per-message latency of the α-β model: a small ring all-reduce is 2(p-1) messages."""
+        return self.latency_s / (2 * (self.world_size - 1))
 
 
 def run_probe(
@@ -66,9 +73,9 @@ def run_probe(
     size = int(reports[0]["nbytes"])
     bus_bps = size * 8 * iters / seconds * 2 * (world - 1) / world
     correct = all(bool(rep["correct"]) for rep in reports)
-    return ProbeResult(
-        nbytes=size, seconds=seconds, bus_bps=bus_bps, correct=correct, world_size=world
-    )
+    latency = max(float(rep["small_seconds"]) for rep in reports)
+    return ProbeResult(nbytes=size, seconds=seconds, bus_bps=bus_bps, correct=correct,
+                       world_size=world, latency_s=latency)
 
 
 def measure_throughput(link: EmulatedLink | None, nbytes: int = 25_000_000) -> float:
@@ -78,14 +85,20 @@ def measure_throughput(link: EmulatedLink | None, nbytes: int = 25_000_000) -> f
     misconfigured (or unshaped) link is visible instead of silently skewing results.
     Raises if the all-reduce result is wrong.
     """
+    return measure_link(link, nbytes).bus_bps
+
+
+def measure_link(link: EmulatedLink | None, nbytes: int = 25_000_000) -> ProbeResult:
+    """:func:`run_probe` that raises if the all-reduce result is wrong: the bus bandwidth the
+    link delivers and its latency (``latency_s``, a small all-reduce: 2 ranks, a round trip)."""
     res = run_probe(link, nbytes=nbytes)
     if not res.correct:
         raise RuntimeError("all-reduce probe returned a wrong result")
-    return res.bus_bps
+    return res
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pufferfish.bench.probe 100mbit 1gbit``: measure emulated links."""
+    """``python -m pufferfish.bench.probe 100mbit 1gbit 100mbit@20ms``: measure emulated links."""
     import argparse
 
     ap = argparse.ArgumentParser(description=_main.__doc__)
@@ -97,23 +110,26 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if stale:
         print(f"removed stale namespaces: {', '.join(stale)}")
     for text in args.rates:
-        rate = parse_bandwidth(text)
+        rate, delay_ms = parse_link(text)
+        delay_ms = delay_ms or args.delay_ms
         if rate is None:
             res = run_probe(None, nbytes=args.nbytes)
             print(
                 f"loopback: measured {format_bps(res.bus_bps)} all-reduce bus bandwidth "
-                f"({res.seconds:.3f} s, correct={res.correct})"
+                f"({res.seconds:.3f} s, correct={res.correct}), round trip "
+                f"{1e3 * res.latency_s:.2f} ms"
             )
             continue
-        reason = netem_available() if args.delay_ms > 0 else netns_available()
+        reason = netem_available() if delay_ms > 0 else netns_available()
         if reason is not None:
             print(f"{text}: skipped ({reason})")
             continue
-        with EmulatedLink(rate, delay_ms=args.delay_ms) as link:
+        with EmulatedLink(rate, delay_ms=delay_ms) as link:
             res = run_probe(link, nbytes=args.nbytes)
         print(
             f"emulated {text}: measured {format_bps(res.bus_bps)} all-reduce bus bandwidth "
-            f"({res.bus_bps / rate:.0%} of rate, {res.seconds:.3f} s, correct={res.correct})"
+            f"({res.bus_bps / rate:.0%} of rate, {res.seconds:.3f} s, correct={res.correct}), "
+            f"round trip {1e3 * res.latency_s:.2f} ms"
         )
     return 0
 

@@ -16,9 +16,13 @@ figures with the textbook ring model (Thakur et al., 2005; the same model
   parameters about three times: gathered in forward and again in backward, gradients
   scattered), i.e. the measured ring bytes x p/(p-1) (:func:`projected_payload`).
 
-``B`` is in bits/s, ``n`` in bytes, ``α`` is the per-message latency in seconds. The
-latency term is multiplied by the number of collectives a step launches (one per DDP
-bucket; PowerSGD three), which the hooks count.
+``B`` is in bits/s, ``n`` in bytes, ``α`` is the per-message latency in seconds (a link's
+one-way delay: ``--bandwidth 100mbit@20ms`` projects at α = ``--alpha-us`` + 20 ms beside
+``--alpha-us`` alone). The latency term is multiplied by the number of collectives a step
+launches, which the hooks count (``collectives_per_step``): DDP one per bucket; PowerSGD three
+per bucket (the uncompressed tensors, P, Q); signum and top-k their all-gathers; DiLoCo one per
+outer step, i.e. 1 / ``inner_steps`` per step; FSDP2 its all-gathers and reduce-scatters. So on
+a slow, far link a step of many buckets pays many round trips, and DiLoCo almost none.
 
 A method's projected step time is ``compute + compress + T``: no overlap of communication
 with backward is assumed, so this is an upper bound on a real step, the same quantity
@@ -52,6 +56,8 @@ __all__ = [
     "Crossover",
     "comm_time",
     "crossover",
+    "format_alpha",
+    "link_alpha",
     "project",
     "projected_payload",
     "step_time",
@@ -121,6 +127,16 @@ def projected_payload(record: dict[str, object]) -> float:
         return float(record["bytes_per_step"])  # type: ignore[arg-type]
     p = float(record["workers"])  # type: ignore[arg-type]
     return float(record["ring_bytes_per_step"]) * p / (p - 1)  # type: ignore[arg-type]
+
+
+def link_alpha(link: dict[str, object], p: int, alpha: float = DEFAULT_ALPHA) -> float:
+    """α of a measured link (a bench record or link entry): its probed one-float all-reduce time
+    (``link_rtt_s``) over the 2(p-1) messages of a ring all-reduce, or, not probed, ``alpha``
+    plus its nominal one-way delay (``delay_ms``; 0 for records from before links had one)."""
+    rtt = link.get("link_rtt_s")
+    if rtt:
+        return float(rtt) / (2 * (p - 1))  # type: ignore[arg-type]
+    return alpha + float(link.get("delay_ms") or 0.0) / 1e3  # type: ignore[arg-type]
 
 
 def _check(p: int, bandwidth_bps: float, alpha: float) -> None:
@@ -194,7 +210,7 @@ def project(
 ) -> list[dict[str, object]]:
     """Projected step time of every profile for every ``(p, B)``, plus the crossover
     against ``baseline`` (when present) and the speedup over it; one record per
-    ``(method, p, B)``."""
+    ``(method, p, B)``, each with the ``alpha`` it was projected at."""
     base = next((pr for pr in profiles if pr.method == baseline), None)
     rows: list[dict[str, object]] = []
     for p in workers:
@@ -207,6 +223,7 @@ def project(
                         "method": prof.method,
                         "workers": p,
                         "bandwidth_bps": bw,
+                        "alpha": alpha,
                         "step_time": t,
                         "comm_time": comm_time(prof, p, bw, alpha),
                         "speedup_vs_ddp": (step_time(base, p, bw, alpha) / t) if base else None,
@@ -215,6 +232,11 @@ def project(
                     }
                 )
     return rows
+
+
+def format_alpha(alpha: float) -> str:
+    """A latency as the reports print it: ``50 µs``, ``20.05 ms``."""
+    return f"{1e6 * alpha:g} µs" if alpha < 1e-3 else f"{1e3 * alpha:.4g} ms"
 
 
 def _fmt_bps(bps: float) -> str:

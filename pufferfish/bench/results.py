@@ -12,7 +12,7 @@ from ..training.metrics import read_metrics
 from . import accuracy as acc
 from . import projection as proj
 from .accuracy import time_to_accuracy
-from .config import BenchConfig
+from .config import BenchConfig, parse_compute_ms
 
 __all__ = ["project", "time_to_accuracy_result", "train_summary"]
 
@@ -48,6 +48,7 @@ def project(records: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
     for r in records:
         bps = r["link_bps"] or r["bandwidth_bps"]
         r["model_bps"] = bps
+        r["model_alpha"] = alpha = proj.link_alpha(r, r["workers"], cfg.alpha)
         if bps is None:
             r["predicted_step_time"] = r["prediction_error"] = None
             r["wire_time"] = r["overlap_bound"] = r["overlap_efficiency"] = None
@@ -59,7 +60,7 @@ def project(records: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
         r["wire_time"] = own.bits_on_wire(r["workers"]) / bps
         r["overlap_bound"] = max(r["compute_time"], r["wire_time"])
         r["overlap_efficiency"] = r["overlap_bound"] / r["step_time"]
-        pred = proj.step_time(own, r["workers"], bps, cfg.alpha)
+        pred = proj.step_time(own, r["workers"], bps, alpha)
         r["predicted_step_time"] = pred
         r["prediction_error"] = (pred - r["step_time"]) / r["step_time"]
     ddp = next((p for p in profiles if p.method == "ddp"), None)
@@ -70,14 +71,23 @@ def project(records: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
         for p in profiles
         if ddp is not None and p.method != "ddp"
     }
+    alphas = projection_alphas(records, cfg.alpha)
     return {
         "alpha": cfg.alpha,
+        "alphas": alphas,
         "workers": list(proj.DEFAULT_WORKERS),
         "bandwidths_bps": list(proj.DEFAULT_BANDWIDTHS),
         "profiles": [asdict(p) for p in profiles],
-        "rows": proj.project(profiles, alpha=cfg.alpha),
-        "crossovers": crossovers,
+        "rows": [row for a in alphas for row in proj.project(profiles, alpha=a)],
+        "crossovers": crossovers,  # at cfg.alpha; the rows have each alpha's
     }
+
+
+def projection_alphas(records: list[dict[str, Any]], alpha: float) -> list[float]:
+    """The latencies the cluster projection is shown at: ``alpha`` (``--alpha-us``), and
+    ``alpha`` plus each measured link's nominal one-way delay (``100mbit@20ms``: + 20 ms)."""
+    delays = sorted({float(r.get("delay_ms") or 0.0) for r in records} - {0.0})
+    return [alpha, *(alpha + d / 1e3 for d in delays)]
 
 
 # -- time to accuracy -------------------------------------------------------------------------------
@@ -110,10 +120,14 @@ def time_to_accuracy_result(cfg: BenchConfig, rows: list[dict[str, Any]], links:
         "projected": None,
     }
     if cfg.compute_ms is not None:
+        full_ms, factorized_ms = parse_compute_ms(cfg.compute_ms)
         profiles = [proj.CommProfile(**p) for p in projection["profiles"]]
-        projected, info = acc.projected_curves(runs, profiles, cfg.compute_ms, alpha=cfg.alpha)
+        alphas = projection.get("alphas") or [cfg.alpha]
+        projected, info = acc.projected_curves(runs, profiles, full_ms, alpha=cfg.alpha,
+                                               factorized_ms=factorized_ms, alphas=alphas)
         result["projected"] = {
-            "compute_ms": cfg.compute_ms, **info, "alpha": cfg.alpha,
+            "compute_ms": full_ms, "factorized_compute_ms": factorized_ms, **info,
+            "alpha": cfg.alpha, "alphas": alphas,
             "workers": list(acc.PROJECTED_WORKERS),
             "bandwidths_bps": list(proj.DEFAULT_BANDWIDTHS),
             "curves": [asdict(c) for c in projected],

@@ -8,10 +8,12 @@ link for real and then extrapolates with an explicit model:
 
 1. Every ``--bandwidth`` is set up once (``loopback``, or a rate emulated by
    :class:`~pufferfish.bench.netns.EmulatedLink`: two network namespaces joined by a
-   shaped veth pair) and an all-reduce probe measures what it really delivers
-   (``link_bps``), so that a mis-shaped link is visible and the model below is fed the
-   bandwidth the workers actually had. Emulated links need root and iproute2; without them
-   those conditions are skipped with the reason, never replaced by loopback.
+   shaped veth pair, ``100mbit@20ms`` with a 20 ms netem delay each way) and an all-reduce
+   probe measures what it really delivers (``link_bps``) and its round trip (``link_rtt_s``, a
+   one-float all-reduce), so that a mis-shaped link is visible and the model below is fed the
+   bandwidth and latency the workers actually had. Emulated links need root and iproute2 (a
+   delay also netem); without them those conditions are skipped with the reason, never
+   replaced by loopback or run without their delay.
 2. ``--rounds`` rounds (:mod:`pufferfish.bench.rounds`): in each, one group of
    ``--workers`` processes per link runs :mod:`pufferfish.bench.step`, which times
    compute-only and full DDP steps of every method in turn; the order of links and of
@@ -19,14 +21,16 @@ link for real and then extrapolates with an explicit model:
    min–max spread, and the ratio to DDP taken within each round, so that one noisy moment
    of a shared machine cannot decide a row.
 3. :mod:`pufferfish.bench.projection` turns the measured compute/compress time and bytes
-   into step times for 8/16/64 workers at 1/10/100 Gbit/s, with each method's crossover
-   bandwidth against DDP, and predicts the measured 2-worker runs (its error column shows
-   how far to trust it).
+   into step times for 8/16/64 workers at 1/10/100 Gbit/s (at ``--alpha-us`` and at it plus
+   each link's delay), with each method's crossover bandwidth against DDP, and predicts the
+   measured 2-worker runs at each link's probed rate and latency (its error column shows how
+   far to trust it).
 4. With ``--accuracy-runs`` (``pufferfish train`` runs, one per method),
    :mod:`pufferfish.bench.accuracy` turns their per-epoch accuracy and the measured step
    times into accuracy against wall-clock time on each link and the time to reach DDP's
-   final accuracy minus 0.5/1 point; with ``--compute-ms`` also for 8 and 64 workers at
-   1/10/100 Gbit/s at that GPU compute time per step (projected).
+   final accuracy minus 0.5/1 point; with ``--compute-ms full=MS,factorized=MS`` also for 8
+   and 64 workers at 1/10/100 Gbit/s at those GPU compute times per step (projected; without
+   the factorized figure at this CPU's low-rank/full ratio, which the log and results say).
 
 Outputs in ``--out``: ``results.json`` (per-round records, rows, time to accuracy),
 ``projection.json``, ``results.md`` and the plots ``step_time.png`` / ``projection.png``
@@ -65,7 +69,7 @@ from ..training.metrics import read_metrics
 from ..training.report import compare_runs
 from . import accuracy as acc
 from .accuracy import time_to_accuracy
-from .bandwidth import format_bps, parse_bandwidth
+from .bandwidth import format_bps, parse_link
 from .config import (
     DEFAULT_METHODS,
     STEP_TIMEOUT,
@@ -76,9 +80,9 @@ from .config import (
     results_path,
 )
 from .markdown import results_markdown, train_markdown
-from .netns import EmulatedLink, cleanup_stale, netns_available
+from .netns import EmulatedLink, cleanup_stale, netem_available, netns_available
 from .plots import plot_results
-from .probe import measure_throughput
+from .probe import ProbeResult, measure_link
 from .progress import TrainingProgress
 from .results import project, time_to_accuracy_result, train_summary
 from .rounds import compute_check, round_plan, summarize
@@ -125,17 +129,17 @@ def _condition(
     An emulated link lives only while its methods run; its ``with`` deletes the
     namespaces on every exit path, Ctrl-C included.
     """
-    rate = parse_bandwidth(text)
+    rate, delay_ms = parse_link(text)
     if rate is None:
         return contextlib.nullcontext()
-    reason = netns_available()
+    reason = netem_available() if delay_ms > 0 else netns_available()
     if reason is not None:
         log(f"skipping {text}: link emulation unavailable ({reason}); "
-            "emulated conditions are never replaced by loopback")
+            "emulated conditions are never replaced by loopback or run without their delay")
         skipped.append({"bandwidth": text, "reason": reason})
         return None
     cleanup_stale()
-    return EmulatedLink(rate)
+    return EmulatedLink(rate, delay_ms=delay_ms)
 
 
 def _fail(method: str, bandwidth: str, why: str, log: Log) -> dict[str, str]:
@@ -209,6 +213,12 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
     result = {"config": {**asdict(cfg), "threads": cfg.worker_threads()}, **measured,
               "rows": rows, "compute_check": compute_check(rows), "projection": projection,
               "time_to_accuracy": time_to_accuracy_result(cfg, rows, links, projection)}
+    projected = (result["time_to_accuracy"] or {}).get("projected")
+    if projected and projected["assumes_cpu_ratio"]:
+        log("note: --compute-ms gave no factorized=MS, so the projected time to accuracy assumes "
+            "the factorized model keeps this CPU's low-rank/full compute ratio "
+            f"({projected['lowrank_compute_ratio']:.2f}); give --compute-ms "
+            "full=MS,factorized=MS to use your GPU's")
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     _write_outputs(cfg, result, log)
     return result
@@ -230,7 +240,10 @@ def _measure(cfg: BenchConfig, log: Log) -> dict[str, Any]:
             link = stack.enter_context(cond)
             rate = link.rate_bps if link is not None else None
             probed = _probe(link, text, log) if cfg.probe else None
-            links.append({"bandwidth": text, "bandwidth_bps": rate, "link_bps": probed})
+            links.append({"bandwidth": text, "bandwidth_bps": rate,
+                          "delay_ms": link.delay_ms if link is not None else 0.0,
+                          "link_bps": probed.bus_bps if probed else None,
+                          "link_rtt_s": probed.latency_s if probed else None})
             opened[text] = link
         order = round_plan(list(opened), cfg.methods, cfg.rounds)
         for r, plan in enumerate(order):
@@ -279,17 +292,20 @@ def _step_group(
     return got, err
 
 
-def _probe(link: EmulatedLink | None, text: str, log: Log) -> float | None:
-    """All-reduce bus bandwidth the link delivers (None, with a message, if the probe fails)."""
+def _probe(link: EmulatedLink | None, text: str, log: Log) -> ProbeResult | None:
+    """All-reduce bus bandwidth and round trip the link delivers (None, with a message, if the
+    probe fails)."""
     try:
-        bps = measure_throughput(link, nbytes=PROBE_BYTES)
+        res = measure_link(link, nbytes=PROBE_BYTES)
     except (RuntimeError, subprocess.SubprocessError) as e:
         log(f"[{text}] link probe failed ({str(e).strip().splitlines()[0]}); "
-            "the projection will use the nominal rate")
+            "the projection will use the nominal rate and delay")
         return None
     nominal = f" of nominal {format_bps(link.rate_bps)}" if link is not None else ""
-    log(f"[{text}] link probe: all-reduce bus bandwidth {format_bps(bps)}{nominal}")
-    return bps
+    delay = f" (nominal {2 * link.delay_ms:g} ms)" if link is not None and link.delay_ms else ""
+    log(f"[{text}] link probe: all-reduce bus bandwidth {format_bps(res.bus_bps)}{nominal}, "
+        f"round trip {1e3 * res.latency_s:.2f} ms{delay}")
+    return res
 
 
 # -- outputs ----------------------------------------------------------------------------------------

@@ -15,10 +15,12 @@ warm-up must cover both):
 
 Every step is the training loop's own step function
 (:func:`pufferfish.training.step.train_step`: forward, zero_grad, backward, optimizer step;
-no AMP, clipping or non-finite vote, which would add a collective). With ``--grad-accum N`` a
-step is N micro-batches of ``--batch-size`` and one gradient synchronization (DDP's
-``no_sync`` for the first N - 1, FSDP2's gradient sync off): times, bytes and collectives are
-per optimizer step.
+no AMP, clipping or non-finite vote, which would add a collective), with the workload's one
+optimizer for every method (:func:`~pufferfish.bench.workload.make_optimizer`: AdamW for the
+language models, GaLore its own AdamW; SGD with momentum for the image models). With
+``--grad-accum N`` a step is N micro-batches of ``--batch-size`` and one gradient synchronization
+(DDP's ``no_sync`` for the first N - 1, FSDP2's gradient sync off): times, bytes and collectives
+are per optimizer step.
 
 Buckets (``--bucket-mb``): a fixed cap, torch's default, or (``auto``) each method's own
 fastest, chosen before the warm-up by the training loop's trial
@@ -33,6 +35,11 @@ every method is compared with its best buckets; the record says which (``bucket_
     Median of ``--steps`` full DDP steps with the method's comm hook, each started
     after a barrier (in training the previous step's all-reduce aligns the ranks).
     Compute-only and full steps alternate, so both see the same load on a shared machine.
+    A hook's encode and decode are inside it: DDP's backward returns only once every
+    bucket's future has completed, and PowerSGD's last callback is its decode (``M ~ P Q^T``;
+    on gloo each compressed bucket is even finished inside the hook), so PowerSGD's three
+    all-reduces per bucket and all its compression work are timed
+    (``tests/test_bench_links.py`` checks the hook's work is done when the step returns).
 ``comm_time``
     ``step_time - compute_time``: the communication (including the hook's encode/decode)
     that overlap with backward did NOT hide. It is what a faster network can save.

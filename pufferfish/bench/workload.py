@@ -19,10 +19,11 @@ from ..galore import galore_optimizer, galore_ranks
 from ..lowrank import factorize
 from ..lowrank.counting import count_params
 from ..models import build_at_width
+from ..training.optim import build_optimizer
 from ..training.step import Replica, train_step
 
-__all__ = ["LM_MODELS", "PUFFERFISH_RANK_RATIO", "build_model", "make_optimizer", "quartiles",
-           "timed", "train_one_step"]
+__all__ = ["LM_MODELS", "PUFFERFISH_RANK_RATIO", "build_model", "make_optimizer",
+           "optimizer_name", "quartiles", "timed", "train_one_step"]
 
 PUFFERFISH_RANK_RATIO = 0.25  # the paper's ratio, with the model's "paper" preset
 LM_MODELS = ("lstm", "transformer", "llama")  # timed on KJV token batches
@@ -49,14 +50,27 @@ def build_model(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, 
     return model, full
 
 
+def optimizer_name(model: str) -> str:
+    """The one optimizer every method of a workload steps with: ``adamw`` for the language
+    models (the LM recipe), ``sgd`` with momentum for the image models (the paper's)."""
+    return "adamw" if model in LM_MODELS else "sgd"
+
+
 def make_optimizer(args: argparse.Namespace, method: str,
                    model: nn.Module) -> torch.optim.Optimizer:
-    """SGD with momentum, or for ``galore`` GaLore's optimizer at the Pufferfish ranks."""
-    if method != "galore":
-        return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    cfg = TrainConfig(model=args.model, rank_ratio=str(PUFFERFISH_RANK_RATIO), mode="galore",
-                      lr=args.lr, data="kjv" if args.model in LM_MODELS else "fashion-mnist")
-    return galore_optimizer(model, galore_ranks(model, cfg), cfg)
+    """The workload's optimizer (:func:`optimizer_name`), the same for every method so that only
+    the method differs between rows: built by the training loop's
+    :func:`~pufferfish.training.optim.build_optimizer` (AdamW: decay / no-decay groups). ``galore``
+    (language models only: ``BenchConfig`` refuses it with SGD's image models) steps with GaLore's
+    own AdamW, the same LR, betas, epsilon and weight decay, projected at the Pufferfish ranks."""
+    cfg = TrainConfig(model=args.model, optimizer=optimizer_name(args.model), lr=args.lr,
+                      momentum=0.9, weight_decay=1e-4, rank_ratio=str(PUFFERFISH_RANK_RATIO),
+                      mode="galore" if method == "galore" else "full",
+                      data="kjv" if args.model in LM_MODELS else "fashion-mnist")
+    if method == "galore":
+        return galore_optimizer(model, galore_ranks(model, cfg), cfg)
+    return build_optimizer(cfg, [{"params": list(model.parameters()),
+                                  "weight_decay": cfg.weight_decay}], model)
 
 
 def train_one_step(replica: Replica, micro_batches: Sequence[Any]) -> None:

@@ -7,6 +7,12 @@ one bucket, sent only after backward ends (docs/benchmarks.md). ``--bucket-mb`` 
 (DDP's unit; the first bucket gets the same cap), ``torch`` for torch's default, or ``auto``:
 :class:`BucketTuner` times real training steps of the run with a few candidate caps on the real
 process group and link, and keeps the fastest only if it is clearly faster than torch's default.
+
+Latency needs no model here: every bucket is one collective (PowerSGD's three), so a link's round
+trip is paid once per bucket inside the timed steps, and a high-latency link (``pufferfish bench
+--bandwidth 100mbit@20ms``) makes the smaller caps, which mean more buckets, lose the trial by
+what they really cost. The candidates are torch's default and the gradient size / 2, 4, 8, 16:
+two buckets at the fewest, so no candidate sends a whole model in one collective.
 """
 
 from __future__ import annotations
