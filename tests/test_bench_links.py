@@ -273,7 +273,7 @@ def test_powersgd_encode_and_decode_finish_inside_the_timed_step() -> None:
                                    start_powerSGD_iter=2)
         replica = Replica(model, ddp, make_optimizer(_args("resnet18"), "powersgd", model),
                           hook_state=state)
-        batch = (torch.randn(8, 32), torch.randint(0, 10, (8,)))
+        batch = [(torch.randn(8, 32), torch.randint(0, 10, (8,)))]  # one micro-batch
         for _ in range(3):  # DDP re-buckets after step 1; PowerSGD compresses from step 2
             train_one_step(replica, batch)
         state.stats.reset()
