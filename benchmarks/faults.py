@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from pufferfish.training import checkpoint as ckpt
+from pufferfish.training.faults import wait_stopped
 
 STEPS_PER_EPOCH, EPOCHS, EVERY = 4, 3, 2
 TOTAL = STEPS_PER_EPOCH * EPOCHS
@@ -125,23 +126,6 @@ def fault_env(marker: Path, step: int, rank: int = 0, during: str = "step") -> d
     return {"PUFFERFISH_KILL_AT_STEP": str(step), "PUFFERFISH_KILL_RANK": str(rank),
             "PUFFERFISH_KILL_DURING": during, "PUFFERFISH_KILL_SIGNAL": "STOP",
             "PUFFERFISH_KILL_MARKER": str(marker)}
-
-
-def wait_stopped(marker: Path, proc: subprocess.Popen, timeout: float = 300) -> int | None:
-    """The pid of the worker that froze itself at the armed point (None: the run ended first)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        fields = marker.read_text().split() if marker.exists() else []
-        if len(fields) == 3:
-            pid = int(fields[2])
-            with contextlib.suppress(FileNotFoundError):
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state in ("T", "t"):
-                    return pid
-        elif proc.poll() is not None:
-            return None
-        time.sleep(0.02)
-    return None
 
 
 # -- files -------------------------------------------------------------------------------------

@@ -1,3 +1,8 @@
+"""Shared fixtures: one torch thread, a fixed seed, and uninterrupted reference runs."""
+
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,3 +16,24 @@ def _seed() -> None:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``uninterrupted(args, nproc=2)``: the run directory of ``pufferfish train ARGS`` under
+    torchrun on ``nproc`` processes, trained once per session and shared by the tests that compare
+    with it (a resumed run must end where it ends)."""
+    from test_training import run_cli
+
+    done: dict[tuple[tuple[str, ...], int], Path] = {}
+
+    def run(args: list[str], nproc: int = 2) -> Path:
+        key = (tuple(args), nproc)
+        if key not in done:
+            out = tmp_path_factory.mktemp("uninterrupted") / "run"
+            result = run_cli("train", *args, "--out", str(out), torchrun=nproc)
+            assert result.returncode == 0, result.stderr[-3000:]
+            done[key] = out
+        return done[key]
+
+    return run

@@ -32,9 +32,6 @@ from pufferfish.training.checkpoint import latest_checkpoint, save_checkpoint
 
 SMALL = ["--model", "resnet18", "--width", "0.125", "--test-subset", "64", "--batch-size", "32",
          "--threads", "1", "--no-progress"]
-# 256 examples, 32 per process and 2 processes: 4 steps per epoch; the switch is at global step 4.
-ELASTIC = [*SMALL, "--train-subset", "256", "--lr", "0.05", "--epochs", "2", "--warmup-epochs",
-           "1", "--checkpoint-every-steps", "2", "--comm", "topk", "--topk-ratio", "0.1"]
 TIMES = {"epoch_time", "compute_time", "data_time", "comm_time", "compress_time"}
 
 
@@ -58,60 +55,7 @@ def finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str, str]
     return proc.returncode, out, err
 
 
-# -- elastic restarts ------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("elastic") / "ref"
-    result = run_cli("train", *ELASTIC, "--out", str(out), torchrun=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
-
-
-@needs_fashion
-@pytest.mark.parametrize("kill_step,resume_from", [
-    (3, "ckpt-000000002.pt"),  # mid-epoch 0, before the switch: resumes full-rank
-    (7, "ckpt-000000006.pt"),  # mid-epoch 1, after the switch: resumes the factorized model
-])
-def test_elastic_restart_gives_the_same_final_state(uninterrupted: Path, tmp_path: Path,
-                                                    kill_step: int, resume_from: str) -> None:
-    """A SIGKILLed worker under ``torchrun --max-restarts 1``: the group restarts and resumes.
-
-    Uses the top-k comm hook, whose per-rank residual memory must travel through the checkpoint
-    (all-gathered) for the resumed run to be exact.
-    """
-    run, marker = tmp_path / "run", tmp_path / "killed"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--master-port", str(free_port()),
-           "-m", "pufferfish", "train", *ELASTIC, "--out", str(run)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PUFFERFISH_KILL_AT_STEP": str(kill_step),
-           "PUFFERFISH_KILL_RANK": "1", "PUFFERFISH_KILL_MARKER": str(marker)}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert marker.exists(), "the fault was not injected"
-    assert f"resumed from {run / 'checkpoints' / resume_from}" in result.stdout
-
-    ref, got = latest_checkpoint(uninterrupted), latest_checkpoint(run)
-    assert ref is not None and got is not None
-    (a, pa), (b, pb) = ref, got
-    assert pa.name == pb.name == "ckpt-000000008.pt"
-    assert a["model"].keys() == b["model"].keys()
-    for key in a["model"]:  # parameters and buffers (BatchNorm statistics)
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
-    for i, s in a["optimizer"]["state"].items():
-        assert torch.equal(s["momentum_buffer"], b["optimizer"]["state"][i]["momentum_buffer"])
-    for rank_a, rank_b in zip(a["ranks"], b["ranks"], strict=True):  # top-k residuals
-        ha, hb = rank_a["hook"], rank_b["hook"]
-        for key, t in ha["residual"].items():
-            assert torch.equal(t, hb["residual"][key])
-    assert a["method"] == b["method"]
-    ra, rb = metrics(uninterrupted), metrics(run)
-    assert [r["epoch"] for r in rb] == [1, 2]
-    for x, y in zip(ra, rb, strict=True):
-        assert {k: v for k, v in x.items() if k not in TIMES} == \
-            {k: v for k, v in y.items() if k not in TIMES}
-
+# -- resume after a kill (elastic restarts under torchrun: test_elastic.py) ----------------
 
 def _killed_and_resumed(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
                         kill_at: int, resumed_from: str) -> tuple[Path, Path]:

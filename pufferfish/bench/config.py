@@ -317,8 +317,17 @@ def _default_data_dir() -> Path:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The ``pufferfish bench`` options (kept here so that ``cli.py`` stays parsing-only)."""
+    """The ``pufferfish bench`` options (kept here so that ``cli.py`` stays parsing-only), in the
+    order ``--help`` lists them."""
     d = BenchConfig()
+    _model_arguments(ap, d)
+    _measurement_arguments(ap, d)
+    _output_arguments(ap, d)
+    _train_arguments(ap, d)
+
+
+def _model_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
+    """What is measured: the model and the methods."""
     ap.add_argument("--model", default=d.model, help=f"{', '.join((*IMAGE_MODELS, *LM_MODELS))}")
     ap.add_argument("--seq-len", type=int, default=d.seq_len,
                     help="language models: tokens per sequence of a batch")
@@ -333,6 +342,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "(fsdp, pufferfish+fsdp; no other method has one); to compare both "
                          "side by side, keep ddp and name them: --methods "
                          "ddp,pufferfish,fsdp,pufferfish+fsdp")
+
+
+def _measurement_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
+    """How the steps are measured: links, workers, steps, buckets, the methods' options."""
     ap.add_argument("--bandwidth", default="loopback",
                     help="comma-separated: loopback and/or emulated rates such as 1gbit,100mbit, "
                          "each with an optional one-way latency, e.g. 100mbit,100mbit@20ms "
@@ -374,6 +387,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rounds", type=int, default=d.rounds,
                     help="interleaved rounds: every (link, method) once per round, the order "
                          "rotating; rows give the median and min-max over rounds")
+
+
+def _output_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
+    """Where results go, and accuracy against wall-clock from earlier runs or results."""
     ap.add_argument("--out", default=d.out, help="output directory")
     ap.add_argument("--overwrite", action="store_true",
                     help="replace files in --out that another command (or you) wrote there")
@@ -394,6 +411,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--from-results", default=d.from_results, metavar="RESULTS_JSON",
                     help="reuse the step times of an earlier bench (its results.json, or its "
                          "--out directory) instead of measuring; measurement flags are ignored")
+
+
+def _train_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
+    """``--train``: each method trained with ``pufferfish train``."""
     ap.add_argument("--train", action="store_true",
                     help="train each method with `pufferfish train` and plot time-to-accuracy")
     ap.add_argument("--epochs", type=int, default=d.epochs, help="--train: epochs per method")

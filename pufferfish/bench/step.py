@@ -296,35 +296,10 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
     while tuner.trying:  # auto: this method's own buckets, on extra steps
         with tuner.step(replica):
             train_one_step(replica, next(trial))
-    ddp = replica.wrapped
     batches = iter(minibatches)
-
     for _ in range(args.warmup):
         train_one_step(replica, next(batches))
-
-    # Compute-only and full steps alternate, so that both medians see the same machine load
-    # (other processes come and go on a shared machine).
-    compute: list[float] = []
-    steps: list[float] = []
-    stats: list[dict[str, float]] = []
-    for i in range(max(args.steps, args.compute_steps)):
-        if i < args.compute_steps:
-            # The same step with DDP's gradient synchronization switched off; its local-only
-            # update is undone so that the replicas stay identical.
-            saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-            batch = next(batches)
-            with ddp.no_sync():
-                compute.append(timed(lambda b=batch: train_one_step(replica, b)))
-            model.load_state_dict(saved[0])
-            opt.load_state_dict(saved[1])
-        if i < args.steps:
-            # Ranks start each full step together, as the previous step's all-reduce would
-            # have aligned them in training (a compute-only step does not).
-            dist.barrier()
-            batch = next(batches)
-            state.stats.reset()
-            steps.append(timed(lambda b=batch: train_one_step(replica, b)))
-            stats.append(state.stats.snapshot())
+    compute, steps, stats = _interleaved_steps(args, replica, state, batches)
     chosen = tuner.cap
     torch_steps = _torch_buckets_steps(replica, tuner, itertools.cycle(minibatches), args.steps)
 
@@ -356,6 +331,36 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
         "bucket_mib": chosen,
         "bucket_trial_ms": tuner.decisions[-1].get("median_ms"),
     }
+
+
+def _interleaved_steps(args: argparse.Namespace, replica: Replica, state: Any, batches: Any,
+                       ) -> tuple[list[float], list[float], list[dict[str, float]]]:
+    """The timed steps: compute-only and full ones alternate, so that both medians see the same
+    machine load (other processes come and go on a shared machine). Their times, and the comm
+    hook's statistics of each full step."""
+    model, ddp, opt = replica.model, replica.wrapped, replica.optimizer
+    compute: list[float] = []
+    steps: list[float] = []
+    stats: list[dict[str, float]] = []
+    for i in range(max(args.steps, args.compute_steps)):
+        if i < args.compute_steps:
+            # The same step with DDP's gradient synchronization switched off; its local-only
+            # update is undone so that the replicas stay identical.
+            saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+            batch = next(batches)
+            with ddp.no_sync():
+                compute.append(timed(lambda b=batch: train_one_step(replica, b)))
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
+        if i < args.steps:
+            # Ranks start each full step together, as the previous step's all-reduce would
+            # have aligned them in training (a compute-only step does not).
+            dist.barrier()
+            batch = next(batches)
+            state.stats.reset()
+            steps.append(timed(lambda b=batch: train_one_step(replica, b)))
+            stats.append(state.stats.snapshot())
+    return compute, steps, stats
 
 
 def _torch_buckets_steps(replica: Replica, tuner: BucketTuner, batches: Any,

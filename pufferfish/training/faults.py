@@ -11,16 +11,19 @@ Unarmed (no ``PUFFERFISH_KILL_AT_STEP``), every call is one dictionary lookup. A
   that hangs with its sockets open, the case only the process-group timeout catches);
 * ``PUFFERFISH_KILL_MARKER``: a file created just before the signal, so that a restarted worker is
   not hit again at the same point (default ``pufferfish-killed.marker``). It holds the point, the
-  step and the process id (a driver that froze the process finds it there).
+  step and the process id (a driver that froze the process finds it there: ``wait_stopped``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import time
 from pathlib import Path
 
-__all__ = ["strike"]
+__all__ = ["strike", "wait_stopped"]
 
 POINTS = ("step", "save-payload", "save-manifest")
 
@@ -39,3 +42,22 @@ def strike(point: str, global_step: int, rank: int = 0) -> None:
         return
     marker.write_text(f"{point} {global_step} {os.getpid()}\n")
     os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("PUFFERFISH_KILL_SIGNAL", "KILL")))
+
+
+def wait_stopped(marker: Path, proc: subprocess.Popen, timeout: float = 300) -> int | None:
+    """The pid of the worker that froze itself (``PUFFERFISH_KILL_SIGNAL=STOP``) at the armed
+    point, once it is stopped; None if ``proc`` (its launcher) ended first or ``timeout`` passed.
+    A driver records what it needs (the run directory's files) and then delivers the real fault."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fields = marker.read_text().split() if marker.exists() else []
+        if len(fields) == 3:
+            pid = int(fields[2])
+            with contextlib.suppress(FileNotFoundError):
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state in ("T", "t"):
+                    return pid
+        elif proc.poll() is not None:
+            return None
+        time.sleep(0.02)
+    return None
