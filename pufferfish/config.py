@@ -138,6 +138,7 @@ class TrainConfig:
     outer_lr: float = 0.7  # diloco: outer Nesterov SGD learning rate on the pseudo-gradients
     outer_momentum: float = 0.9  # diloco: outer Nesterov momentum, 0 <= m < 1
     outer_switch_momentum: str = "reset"  # diloco + pufferfish: outer momentum at the switch
+    bn_batches: int = 8  # diloco: training batches per process that recompute the synchronized weights' BatchNorm statistics before an evaluation or checkpoint (0: the replicas' average)
     shard_size: int = 0  # fsdp + diloco: processes sharding one replica (0: LOCAL_WORLD_SIZE)
     timeout_s: float = 300.0  # process-group timeout: a vanished peer is an error after this
     bucket_mb: str = "auto"  # DDP gradient bucket cap in MiB, torch (1 MiB, then 25), or auto (timed)
@@ -177,7 +178,7 @@ class TrainConfig:
                               "per optimizer step): allowed an integer >= 1")
         for name in ("max_vocab", "train_subset", "test_subset", "keep_first", "checkpoint_every_epochs",
                      "checkpoint_every_steps", "threads",
-                     "stable_rank_every_steps", "eval_every_steps"):
+                     "stable_rank_every_steps", "eval_every_steps", "bn_batches"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
         _positive("keep_checkpoints", self.keep_checkpoints)

@@ -6,6 +6,23 @@ all-reduce and an outer SGD with Nesterov momentum applies the average to the sy
 weights, which every worker copies. Floating-point buffers (BatchNorm statistics) are averaged
 with it, so after a synchronization every replica is identical.
 
+Those averaged statistics do not fit the synchronized weights: each replica's were gathered at its
+own weights, and the outer step moves the weights past all of them (Nesterov, ``outer_lr`` 0.7,
+momentum 0.9: 1.33 times the mean pseudo-gradient at the first outer step, up to 7 times once
+the momentum has built up). Measured on a ResNet-18 (width 0.25, 2,048 Fashion-MNIST images, 2
+epochs, 2 processes, ``inner_steps`` 4): the averaged running variances were about 0.6 of the
+synchronized weights' own in every BatchNorm layer, the error compounds over the layers, and the
+model evaluated and saved scored 10% (test loss 394) where the same weights with their
+statistics recomputed score 51% (DDP: 48%); with plain averaging (``outer_lr`` 1, momentum 0)
+the averaged statistics nearly fit (58% as saved, 61% recomputed). Carrying them through the
+outer step instead (extrapolated like the weights) would take a statistic to be linear in the
+weights, and an extrapolated variance can turn negative. So before the synchronized model is
+evaluated or checkpointed, :meth:`DiLoCoState.recompute_batchnorm` recomputes its statistics:
+forward passes in training mode on a few training batches per process (a cumulative average, as
+"precise BN" does), then averaged over the processes. Training never reads them (BatchNorm
+normalizes a training batch by its own statistics), so the weights' trajectory is unchanged;
+only what is evaluated, saved and returned changes.
+
 The outer optimizer is a ``torch.optim.SGD(nesterov=True)`` over the model's own parameters: at
 the outer step each parameter holds the synchronized weights and the averaged pseudo-gradient as
 its ``.grad``. Its state is therefore keyed by the model's parameters like the inner optimizer's,
@@ -25,6 +42,7 @@ server that registers with a lighthouse, rather than a plain process group (docs
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from types import EllipsisType
 from typing import Any
 
@@ -32,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from .hooks.accounting import CommStats
 from .hooks.state import check_setting
@@ -77,6 +96,7 @@ class DiLoCoState:
         self.optimizer: torch.optim.SGD | None = None
         self._params: list[nn.Parameter] = []
         self._synced: list[torch.Tensor] = []  # the parameters at the last synchronization
+        self._recomputed_at = -1  # outer_steps when the BatchNorm statistics were last recomputed
 
     # -- set-up -----------------------------------------------------------------------------
     def bind(self, model: nn.Module) -> DiLoCoState:
@@ -179,6 +199,44 @@ class DiLoCoState:
                 s.copy_(p)
         self.steps_since_sync = 0
         self.outer_steps += 1
+
+    def recompute_batchnorm(self, batches: Iterable[Any], forward: Callable[[Any], object]) -> int:
+        """The synchronized weights' own BatchNorm statistics (see the module's docstring):
+        reset, ``forward(batch)`` in training mode under no_grad for each of ``batches`` (a
+        cumulative average over them), then averaged over ``buffer_group``; the momentum and
+        ``num_batches_tracked`` are put back. Only at a boundary, once per outer step (the same
+        batches give the same result). Returns the batches used (0: nothing to do)."""
+        assert self.model is not None, "bind() a model first"
+        norms = [m for m in self.model.modules()
+                 if isinstance(m, _BatchNorm) and m.track_running_stats]
+        if not norms or not self.at_boundary or self._recomputed_at == self.outer_steps:
+            return 0
+        batches = list(batches)
+        if not batches:
+            return 0
+        kept = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
+        training = self.model.training
+        for m in norms:
+            m.reset_running_stats()
+            m.momentum = None  # running stats: the plain mean over the batches
+        self.model.train()
+        with torch.no_grad():
+            for batch in batches:
+                forward(batch)
+            for m, (momentum, tracked) in zip(norms, kept):
+                m.momentum = momentum
+                m.num_batches_tracked.copy_(tracked)
+            stats = [t for m in norms for t in (m.running_mean, m.running_var)]
+            flat = _flat(stats)
+            dist.all_reduce(flat, group=self.buffer_group)  # not counted: not the method's bytes
+            flat /= dist.get_world_size(self.buffer_group)
+            offset = 0
+            for t in stats:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+        self.model.train(training)
+        self._recomputed_at = self.outer_steps
+        return len(batches)
 
     # -- checkpoint -------------------------------------------------------------------------
     @property

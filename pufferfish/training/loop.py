@@ -37,7 +37,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +195,7 @@ def _epochs(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task
         if run.progress.step_in_epoch == 0:
             _start_epoch(cfg, env, run, method, task, run_dir, writer)
         row = _train_epoch(cfg, env, run, method, task, run_dir, writer)
+        _fit_batchnorm(cfg, env, run, task)
         row.update(task.evaluate(run.model, env))
         if epoch + 1 == total:  # the reported figures (the LM's test split), after the last epoch
             row.update(task.final_metrics(run.model, env))
@@ -266,16 +269,19 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.3g}")
         if cfg.eval_every_steps and progress.global_step % cfg.eval_every_steps == 0 \
                 and progress.step_in_epoch < steps:  # the epoch's end evaluates anyway
-            _evaluate_within_epoch(env, run, task, writer)
+            _evaluate_within_epoch(cfg, env, run, task, writer)
         if cfg.checkpoint_every_steps and progress.global_step % cfg.checkpoint_every_steps == 0 \
                 and progress.step_in_epoch < steps:
+            _fit_batchnorm(cfg, env, run, task)
             checkpoint(cfg, env, run, method, task, run_dir)
     bar.close()
     return _epoch_row(cfg, env, run, method, steps)
 
 
-def _evaluate_within_epoch(env: DistEnv, run: Run, task: Task, writer: MetricsWriter) -> None:
+def _evaluate_within_epoch(cfg: TrainConfig, env: DistEnv, run: Run, task: Task,
+                           writer: MetricsWriter) -> None:
     """``--eval-every-steps``: the task's evaluation now, printed and kept in ``evals.jsonl``."""
+    _fit_batchnorm(cfg, env, run, task)
     row = {"epoch": run.progress.epoch + 1, "step": run.progress.global_step,
            **task.evaluate(run.model, env)}
     with signals_deferred():
@@ -332,6 +338,25 @@ def _after_step(run: Run, steps: int) -> None:
     if run.sync is not None:
         run.sync.inner_step_done(run.progress.global_step,
                                  end_of_epoch=run.progress.step_in_epoch == steps)
+
+
+def _fit_batchnorm(cfg: TrainConfig, env: DistEnv, run: Run, task: Task) -> None:
+    """DiLoCo, before the model is evaluated or saved: BatchNorm statistics recomputed for the
+    synchronized weights on the epoch's first ``bn_batches`` training batches (the replicas'
+    average does not fit them: distributed/diloco.py). Between outer steps each replica keeps
+    its own."""
+    if run.sync is None or not cfg.bn_batches:
+        return
+
+    def batches() -> Iterator[Any]:  # lazy; a fresh pass: the epoch's order, training's untouched
+        yield from itertools.islice(task.train_loader, cfg.bn_batches)
+
+    def forward(batch: Any) -> None:
+        with _autocast(cfg, env):
+            task.loss(run.wrapped, task.to_device(batch, env.device))
+
+    with _eager():
+        run.sync.recompute_batchnorm(batches(), forward)
 
 
 def _comm_stats(run: Run) -> Any:
