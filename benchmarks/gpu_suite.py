@@ -150,7 +150,7 @@ def summary(rows: list[dict[str, Any]], device: torch.device) -> str:
             "| model | batch | dtype | mode | full ms | factorized ms | factorized / full |",
             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        mode = "compile (CUDA graphs)" if r["compiled"] else "eager"
+        mode = "compile (reduce-overhead)" if r["compiled"] else "eager"
         if "skipped" in r:
             text.append(f"| {r['model']} | {r['batch']} | {r['dtype']} | {mode} | skipped: "
                         f"{r['skipped']} | | |")
