@@ -341,7 +341,7 @@ def claims_markdown(claims: list[dict]) -> list[str]:
                   f"**Chosen on:** {c['chosen_on']}.", ""]
         rows = [[m, ", ".join(f"s{s}: {'never' if v is None else f'{v:.4g}'}"
                               for s, v in e["seeds"].items()) or "-",
-                 "-" if e.get("mean") is None else f"{e['mean']:.4g}",
+                 "-" if e.get("mean") is None else f"{e['mean']:,.6g}",
                  "-" if e.get("spread") is None else f"{e['spread']:.3g}"]
                 for m, e in c["methods"].items() if "seeds" in e]
         lines += [*markdown_table(["method", "per seed", "mean", "spread"], rows), ""]
