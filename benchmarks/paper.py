@@ -13,13 +13,12 @@ without cached runs it prints the command that would make them instead of a numb
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,8 +28,12 @@ from pufferfish import count_macs, factorize
 from pufferfish.formatting import markdown_table
 from pufferfish.lowrank.counting import count_params
 from pufferfish.models import build_at_width
-from pufferfish.training.metrics import quality_key, read_metrics
 from pufferfish.training.report import compare_runs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # claims.py, diloco_tta.py beside it
+import claims as cl
+import claims_more as cm
+from claims import final, gap, is_lm, last_row, partial_note, rows_of  # noqa: F401
 
 RUN_NAME = re.compile(
     r"^(?P<method>full|puffproj|puffkeep1|pufflate|puffpsgd|puffw2|puffw50|puffw5proj|puff|lowrank"
@@ -75,20 +78,33 @@ class Section:
         return [*lines, ""]
 
 
-def counts() -> Section:
-    """Parameters and MACs of the paper's models at width 1.0 on CIFAR-10 shapes, live."""
+def counts(mode: str, out: Path) -> tuple[Section, dict[str, list[int]], str]:
+    """Parameters and MACs of the paper's models at width 1.0 on CIFAR-10 shapes, live (and
+    written to ``out/param-counts.json``), or, with ``mode`` a file, the parameters read from an
+    earlier ``param-counts.json`` (a quick check of the rest of the report)."""
     paper = {"resnet18": ("11,173,962", "3,336,138", "0.56G", "0.22G"),
              "vgg19_bn": ("20,560,330", "8,370,634", "0.40G", "(not quoted)")}
-    rows = []
+    if mode != "live":
+        params = {k: v for k, v in json.loads(Path(mode).read_text()).items() if k in paper}
+        rows = [[name, f"{p_full} → {p_low}", f"{params[name][0]:,} → {params[name][1]:,}",
+                 f"{params[name][0] / params[name][1]:.2f}x"]
+                for name, (p_full, p_low, _, _) in paper.items()]
+        ours = markdown_table(["model", "paper params", "ours (read from " + mode + ")", "fewer"],
+                              rows)
+        return Section("Parameters (read from a file, not computed)", "as below", ours), \
+            params, mode
+    rows, params = [], {}
     for name, (p_full, p_low, m_full, m_low) in paper.items():
         model = build_at_width(name, 1.0)
         x = torch.randn(1, 3, 32, 32)
         full_params, full_macs = count_params(model), count_macs(model, x)
         factorize(model, rank_ratio=0.25, preset="paper")
         low_params, low_macs = count_params(model), count_macs(model, x)
+        params[name] = [full_params, low_params]
         rows.append([name, f"{p_full} → {p_low}", f"{full_params:,} → {low_params:,}",
                      f"{full_params / low_params:.2f}x", f"{m_full} → {m_low}",
                      f"{full_macs / 1e9:.2f}G → {low_macs / 1e9:.2f}G"])
+    (out / "param-counts.json").write_text(json.dumps(params, indent=1) + "\n")
     ours = markdown_table(["model", "paper params", "ours", "fewer", "paper MACs", "ours MACs"],
                           rows)
     ours += ["", "Ours: `pufferfish factorize --model resnet18 vgg19_bn`, computed now. The "
@@ -96,7 +112,7 @@ def counts() -> Section:
              "docs/models.md."]
     return Section("Parameters and MACs (CIFAR-10 shapes, rank ¼, the paper's full-rank layers)",
                    "ResNet-18 11.17M → 3.34M parameters, 0.56G → 0.22G MACs; VGG-19-BN "
-                   "20.56M → 8.37M parameters.", ours)
+                   "20.56M → 8.37M parameters.", ours), params, "computed live"
 
 
 def experiments(cache: Path) -> dict[str, dict[str, dict[int, Path]]]:
@@ -108,49 +124,6 @@ def experiments(cache: Path) -> dict[str, dict[str, dict[int, Path]]]:
             found.setdefault(run.parent.parent.name, {}).setdefault(m["method"], {})[
                 int(m["seed"])] = run.parent
     return found
-
-
-@functools.cache
-def rows_of(run: Path) -> tuple[dict, ...]:
-    """The run's metrics rows, read once per report."""
-    return tuple(read_metrics(run))
-
-
-def last_row(run: Path) -> dict:
-    return rows_of(run)[-1]
-
-
-def planned_epochs(run: Path) -> int:
-    """The epochs the run was configured for (a run stopped early has fewer rows)."""
-    return int(tomllib.loads((run / "config.toml").read_text())["epochs"])
-
-
-def metric(row: dict) -> float:
-    """A row's test accuracy in %, or its test perplexity (language models)."""
-    key = quality_key(row)  # test_acc, test_ppl, or llama's val_ppl
-    return 100 * row[key] if key == "test_acc" else row[key]
-
-
-def final(run: Path) -> float:
-    return metric(last_row(run))
-
-
-def partial_note(run: Path) -> str:
-    """' (9 of 10 epochs)' for a run stopped before its budget, else ''."""
-    done, planned = len(rows_of(run)), planned_epochs(run)
-    return f" ({done} of {planned} epochs)" if done < planned else ""
-
-
-def is_lm(run: Path) -> bool:
-    return quality_key(last_row(run)) != "test_acc"
-
-
-def gap(run: Path, ref: Path) -> float:
-    """Points of accuracy against ``ref``, or % of perplexity (positive: worse) for an LM, at
-    the last epoch both reached (a run stopped early is compared with ``ref`` at that epoch)."""
-    n = min(len(rows_of(run)), len(rows_of(ref)))
-    a, b = metric(rows_of(run)[n - 1]), metric(rows_of(ref)[n - 1])
-    return 100 * (a / b - 1) if is_lm(run) else a - b
 
 
 def shown(run: Path) -> str:
@@ -333,28 +306,93 @@ def pruning(cache: Path) -> Section:
     return section
 
 
+def headline(cache: Path, out: Path, params: dict[str, list[int]], source: str,
+             plots: bool) -> list[dict]:
+    """The README's claims (benchmarks/claims.py): claims.json, readme-results.md, the plots."""
+    tta, tta_curves = cl.tta_claim(cache)
+    comp, comp_curves = cl.composition_claim(cache)
+    diloco, diloco_data = cm.diloco_claim(cache)
+    claims = [cm.counts_claim(params, source), cl.accuracy_claim(cache), cl.warmup_claim(cache),
+              tta, comp, cl.lstm_claim(cache), cl.llama_claim(cache), diloco,
+              cm.demo_claim(cache), cm.budget_claim(cache)]
+    (out / "claims.json").write_text(json.dumps({"claims": claims}, indent=1) + "\n")
+    (out / "readme-results.md").write_text("\n".join(cl.readme_table(claims)) + "\n")
+    if plots:
+        cm.plot_tta(tta_curves, ["1gbit", "100mbit"], "ResNet-18 width 1.0, 2 workers: "
+                    "seed 0 solid, seed 1 dashed (PowerSGD: seed 1 only)", out / "tta-w1.png")
+        cm.plot_tta(comp_curves, ["loopback", "1gbit", "100mbit"], "ResNet-18 width 0.25, 6 "
+                    "epochs, 2 workers: seed 0 solid, seed 1 dashed", out / "composition-w025.png")
+        cm.plot_diloco(diloco_data, out / "diloco-llama.png")
+        budget = cache / "lm-budget"
+        if budget.is_dir():
+            import lm_budget
+            lm_budget.summary(budget, out / "lm-budget.md", out / "lm-budget.png")
+    return claims
+
+
+def claims_markdown(claims: list[dict]) -> list[str]:
+    """report.md's first section: every headline claim with its seeds, target and limits."""
+    lines = ["## Headline claims (README.md's table; `claims.json`)", "",
+             "A target is met only when it holds on every seed (for times, in the bench's worst "
+             "round); spread = max − min over seeds.", ""]
+    for c in claims:
+        lines += [f"### {c['title']}", "", f"**Paper:** {c['paper']}. **Target:** {c['target']}:"
+                  f" {'met' if c['met'] else 'not run yet' if c['met'] is None else 'not met'}. "
+                  f"**Chosen on:** {c['chosen_on']}.", ""]
+        rows = [[m, ", ".join(f"s{s}: {'never' if v is None else f'{v:.4g}'}"
+                              for s, v in e["seeds"].items()) or "-",
+                 "-" if e.get("mean") is None else f"{e['mean']:,.6g}",
+                 "-" if e.get("spread") is None else f"{e['spread']:.3g}"]
+                for m, e in c["methods"].items() if "seeds" in e]
+        lines += [*markdown_table(["method", "per seed", "mean", "spread"], rows), ""]
+        lines += [f"- {n}" for n in c["notes"]] + [f"- Does not show: {c['limits']}",
+                                                   f"- Command: `{c['command']}`", ""]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out_dir", nargs="?", help="where everything goes (same as --out)")
     ap.add_argument("--cache", default="benchmarks/results", help="folder of cached runs")
     ap.add_argument("--out", default="runs/paper", help="where report.md and its plots go")
+    ap.add_argument("--counts", default="live", metavar="live|FILE",
+                    help="parameter counts: computed now (live, minutes on a busy CPU), or read "
+                         "from an earlier param-counts.json")
+    ap.add_argument("--claims-only", action="store_true",
+                    help="only claims.json, readme-results.md and report.md's claims (seconds)")
+    ap.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    ap.add_argument("--docs-img", default="", metavar="DIR",
+                    help="also copy the headline plots there (docs/img)")
     args = ap.parse_args(argv)
-    cache, out = Path(args.cache), Path(args.out)
+    cache, out = Path(args.cache), Path(args.out_dir or args.out)
     if not cache.is_dir():
         print(f"paper: cache {str(cache)!r} is not a directory: allowed a folder of runs "
               "(default benchmarks/results)", file=sys.stderr)
         return 2
+    if args.counts != "live" and not Path(args.counts).is_file():
+        print(f"paper: --counts {args.counts!r} is not a file: allowed live or a "
+              "param-counts.json", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
-    found = experiments(cache)
-    sections = [counts(), parity(found, out), warmup(found), *speed(found, cache, out),
-                pruning(cache)]
+    count_section, params, source = counts(args.counts, out)
+    claims = headline(cache, out, params, source, not args.no_plots)
+    if args.docs_img:
+        Path(args.docs_img).mkdir(parents=True, exist_ok=True)
+        for name in ("tta-w1.png", "composition-w025.png", "diloco-llama.png"):
+            shutil.copyfile(out / name, Path(args.docs_img) / name)
     lines = ["# Pufferfish: the paper's claims beside ours", "",
              f"Regenerated by `benchmarks/paper.sh --cache {cache} --out {out}`.", "",
-             "**What differs.** " + WHAT_DIFFERS, ""]
+             "**What differs.** " + WHAT_DIFFERS, "", *claims_markdown(claims)]
+    sections = [count_section]
+    if not args.claims_only:
+        found = experiments(cache)
+        sections += [parity(found, out), warmup(found), *speed(found, cache, out), pruning(cache)]
     for s in sections:
         lines += s.markdown()
     (out / "report.md").write_text("\n".join(lines))
     missing = sum(bool(s.missing) for s in sections)
-    print(f"written: {out / 'report.md'} ({len(sections)} claims, {missing} with runs missing "
+    print(f"written: {out / 'report.md'}, claims.json ({len(claims)} claims), "
+          f"readme-results.md ({len(sections)} report sections, {missing} with runs missing "
           "from the cache)")
     return 0
 
