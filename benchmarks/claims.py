@@ -228,7 +228,7 @@ def tta_claim(cache: Path) -> tuple[dict, dict]:
         f"PowerSGD has one seed and stops at 12 of 20 epochs; on seed {m_s} it is ahead.",
         "fixed in advance (the paper's recipe; target from the issue)",
         ("Time to accuracy vs DDP", "up to 1.64x sooner", ours,
-         f"[time to accuracy]({DOCS}#width-10-on-an-idle-machine---bucket-mb-auto-2026-12-05),"
+         f"[time to accuracy]({DOCS}#time-to-accuracy-vs-ddp),"
          " [plot](docs/img/tta-w1.png)"), notes), curves
 
 
@@ -259,8 +259,7 @@ def composition_claim(cache: Path) -> tuple[dict, dict]:
         "Every method reaches the target at the same epoch on both seeds, so the seeds differ "
         "only through DDP's final accuracy. Not trained at the paper's width.",
         "fixed in advance", ("Pufferfish + PowerSGD vs PowerSGD", "–", ours,
-                             f"[composed]({DOCS}#time-to-accuracy-of-the-converged-runs-over-"
-                             "emulated-links-issue-the-main-job-part-3), "
+                             f"[composed]({DOCS}#pufferfish--powersgd), "
                              "[plot](docs/img/composition-w025.png)")), curves
 
 
@@ -296,7 +295,7 @@ def accuracy_claim(cache: Path) -> dict:
         f"(up to {max(m['spread'] for m in methods.values()):.2f} points) is as large as the gap.",
         "fixed in advance",
         ("Accuracy gap at the paper's width (ResNet-18 / VGG-19-BN)", "no accuracy loss (CIFAR-10)",
-         ours, f"[converged]({DOCS}#at-the-papers-width-on-a-gpu-the-target-is-met-2026-12-04)"))
+         ours, f"[converged]({DOCS}#accuracy-at-the-papers-width)"))
 
 
 def warmup_claim(cache: Path) -> dict:
@@ -313,7 +312,7 @@ def warmup_claim(cache: Path) -> dict:
         "the mean worth.", "fixed in advance",
         ("Full-rank warm-up vs low rank from the start", "+0.36 points (VGG-19)",
          f"{num('{:+.3f}', entry['mean'])} points (ResNet-18; {per_seed(entry, '{:+.2f}')})",
-         f"[converged]({DOCS}#at-the-papers-width-on-a-gpu-the-target-is-met-2026-12-04)"))
+         f"[converged]({DOCS}#warm-up-vs-low-rank-from-the-start)"))
 
 
 def lstm_claim(cache: Path) -> dict:
@@ -345,8 +344,7 @@ def lstm_claim(cache: Path) -> dict:
         "has one seed. Runs stopped early (" + ", ".join(short) + ") are compared with full rank "
         "at their last epoch.", "test",
         ("LSTM language model at the paper's size (1500 hidden)", "2-layer LSTM on WikiText-2",
-         ours, f"[the LSTM]({DOCS}#on-the-gpu-2026-12-04-the-lstm-at-the-papers-size-powersgd-"
-         "autos-second-seed)"), notes)
+         ours, f"[the LSTM]({DOCS}#the-lstm)"), notes)
 
 
 def llama_claim(cache: Path) -> dict:
@@ -372,5 +370,4 @@ def llama_claim(cache: Path) -> dict:
         "rank from the start is better than full rank here (a small-data regime). One epoch "
         "budget, two seeds, CPU.", "test",
         ("llama ½ on the KJV (chosen variant)", "–", ours,
-         f"[llama]({DOCS}#llama-on-the-kjv-full-rank-pufferfish-galore-and-low-rank-from-the-start"
-         "-2026-12-05)"))
+         f"[llama]({DOCS}#language-models-llama)"))

@@ -47,7 +47,7 @@ def counts_claim(counts: dict[str, list[int]], source: str) -> dict:
         ("Parameters, ResNet-18 / VGG-19-BN (CIFAR-10 shapes)",
          "11.2M → 3.3M / 20.56M → 8.37M",
          f"{r[0] / 1e6:.2f}M → {r[1] / 1e6:.2f}M / {v[0] / 1e6:.2f}M → {v[1] / 1e6:.2f}M",
-         f"[model sizes]({DOCS}#model-sizes-issue-core-library)"))
+         f"[model sizes]({DOCS}#model-sizes)"))
 
 
 # -- DiLoCo on llama ----------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def diloco_claim(cache: Path) -> tuple[dict, dict]:
         "counted. Far from DiLoCo's regime (thousands of steps): its runs end far above DDP, so "
         "this target says nothing about DiLoCo's final quality.", "fixed in advance",
         ("DiLoCo (llama ¼): time to DDP's final perplexity + 5%", "–", ours,
-         f"[DiLoCo]({DOCS}#llama-with-diloco-a-second-seed-and-h--30-2026-12-05), "
+         f"[DiLoCo]({DOCS}#diloco), "
          "[plot](docs/img/diloco-llama.png)")), {"curves": curves, "targets": targets}
 
 
@@ -156,7 +156,7 @@ def demo_claim(cache: Path) -> dict:
          f"points vs DDP: {per_seed(gaps, '{:+.2f}')} (seed 1 over loopback), {fewer:.2f}x "
          f"fewer parameters, in {ratio:.2f}x the time: {1 / ratio:.2f}x faster (time: seed 0 "
          "only)",
-         f"[the demo]({DOCS}#the-main-job-make-demo)"), notes)
+         f"[the demo]({DOCS}#make-demo)"), notes)
 
 
 # -- the language-model budget study ---------------------------------------------------------------

@@ -38,7 +38,7 @@ def readme_table() -> str:
 def test_the_readme_table_is_the_generated_one(generated: Path) -> None:
     assert readme_table() == (generated / "readme-results.md").read_text(), (
         "README.md's Results table differs from benchmarks/paper.sh's readme-results.md: "
-        "regenerate it (benchmarks/paper.sh OUT) and paste OUT/readme-results.md")
+        "regenerate it: benchmarks/paper.sh OUT --readme README.md")
 
 
 def test_every_claim_has_its_fields_seeds_and_limits(generated: Path) -> None:
