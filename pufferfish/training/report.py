@@ -117,6 +117,8 @@ def _plot(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     key = runs[0]["quality_key"]
+    if not all(key in row for r in runs for row in r["rows"]):  # llama: test_ppl at the end only
+        key = runs[0]["selection_key"]
     label = {"test_ppl": "test perplexity", "val_ppl": "validation perplexity"}.get(
         key, "test accuracy")
     fig, (ax_epoch, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
