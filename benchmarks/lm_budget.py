@@ -3,7 +3,8 @@
 llama width 0.125 (dim 64, 8 layers, 0.56M parameters at vocabulary 1,024) on ``kjv+gcide``,
 2 processes x 64 sequences x 128 tokens = 16,384 tokens per step, AdamW with the LM recipe (10%
 LR warm-up, cosine, weight decay 0.1, clip 1.0); validation every 100 steps (for choosing), test
-once at the end (for reporting), both on the first 262,144 tokens of their splits.
+once at the end (for reporting), both on the first 262,144 tokens of their splits; a checkpoint
+every 100 steps, so a stopped study resumes where it was.
 
     python benchmarks/lm_budget.py run OUT [--phase lr|seeds] [--methods a,b] [--dry-run]
     python benchmarks/lm_budget.py summary OUT [--md FILE] [--png FILE]
@@ -31,10 +32,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pufferfish.training.checkpoint import latest_checkpoint
+
 BASE = ["--model", "llama", "--data", "kjv+gcide", "--width", "0.125", "--seq-len", "128",
         "--vocab-size", "1024", "--batch-size", "64", "--eval-every-steps", "100",
         "--test-subset", "262144", "--bucket-mb", "torch", "--threads", "1", "--no-progress",
-        "--epochs", "4"]
+        "--epochs", "4", "--checkpoint-every-steps", "100"]
 # name -> (flags, LR grid): the same number of trials for every method
 METHODS: dict[str, tuple[list[str], list[float]]] = {
     "full": (["--mode", "full"], [3e-3, 1e-2, 1e-3]),
@@ -98,7 +101,9 @@ def queue(out: Path, phase: str, methods: list[str]) -> list[tuple[float, str, f
 def launch(out: Path, budget: float, method: str, lr: float, seed: int) -> bool:
     path = run_dir(out, budget, method, lr, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    resume = ["--resume", "auto"] if (path / "config.toml").is_file() else []
+    # A run stopped after a checkpoint resumes; one stopped before its first starts again.
+    resume = (["--resume", "auto"] if latest_checkpoint(path) is not None else
+              ["--overwrite"] if path.is_dir() else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", "-m", "pufferfish", "train", *BASE, *METHODS[method][0], "--lr", f"{lr:g}",
            "--seed", str(seed), "--tokens-per-param", f"{budget:g}", "--out", str(path), *resume]

@@ -46,6 +46,7 @@ SYNCS = ("ddp", "diloco")
 PARALLEL = ("ddp", "fsdp")
 # auto: each layer's fastest kernel, timed at the switch; a name: that kernel wherever a layer has it
 KERNELS = ("auto", "fused", "loop")
+LOGGERS = ("none", "tensorboard")  # training/board.py
 # The automatic switch's default cap (max_warmup_epochs 0): a tenth of the run, the paper's warm-up,
 # but at least this many optimizer steps, which the short-run grids needed (docs/benchmarks.md).
 CAP_FRACTION, CAP_MIN_STEPS = 0.1, 150  # the optimizer state of the factors at the switch
@@ -88,6 +89,7 @@ class TrainConfig:
     frobenius_decay: float = 0.0  # λ of Frobenius decay on low-rank layers (0: plain weight decay)
     switch_momentum: str = "reset"  # at the switch: reset (the paper) or project onto the factors
     warmup_steps: float = 0.0  # switch before optimizer step N, or this fraction of the run if < 1 (0: off)
+    switch_lr_warmup: float = 0.0  # after the switch, the LR ramps up again over N steps, or this fraction of the run if < 1 (ReLoRA's re-warm-up; 0: off)
     galore_update_proj_gap: int = 200  # galore: optimizer steps between the projectors' SVDs
     galore_scale: float = 0.25  # galore: scale of the update projected back (the paper's 0.25)
     galore_proj_type: str = "std"  # galore: std, reverse_std, right, left, full
@@ -149,6 +151,8 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads per process (0: torch's default)
     channels_last: bool = True  # conv weights in NHWC memory order: faster conv kernels (CPU, GPU)
     progress: bool = True  # tqdm progress bar on rank 0
+    verbose: bool = False  # print the whole configuration at the start (always in RUN_DIR/config.toml)
+    logger: str = "none"  # also log to: none (metrics.jsonl/.csv only) or tensorboard (RUN_DIR/tb, rank 0)
     compile: bool = False  # torch.compile the model (compiled again once after the switch)
     compile_backend: str = "inductor"  # torch.compile backend (eager, aot_eager: for debugging)
 
@@ -175,7 +179,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
         _positive("keep_checkpoints", self.keep_checkpoints)
         for name in ("weight_decay", "grad_clip", "lr_warmup_epochs", "frobenius_decay", "momentum",
-                     "switch_threshold", "tokens_per_param"):
+                     "switch_threshold", "tokens_per_param", "switch_lr_warmup"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
         if self.model == "llama":
@@ -424,7 +428,7 @@ def choices() -> dict[str, tuple[str, ...]]:
             "switch_momentum": SWITCH_MOMENTUM, "optimizer": OPTIMIZERS,
             "galore_proj_type": GALORE_PROJ_TYPES, "sync": SYNCS,
             "outer_switch_momentum": SWITCH_MOMENTUM, "parallel": PARALLEL,
-            "kernel": KERNELS}
+            "kernel": KERNELS, "logger": LOGGERS}
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -43,7 +43,7 @@ class PufferfishMethod(FullRankMethod):
 
     name = "pufferfish"
     run_fields = ("mode", "warmup_epochs", "warmup_steps", "rank_ratio", "preset", "keep",
-                  "keep_first", "extra_bn", "switch_momentum")
+                  "keep_first", "extra_bn", "switch_momentum", "switch_lr_warmup")
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
@@ -79,10 +79,7 @@ class PufferfishMethod(FullRankMethod):
         if not self.in_steps or self.switch.switched:
             return None
         total = self.cfg.epochs * steps
-        at = self.cfg.switch_step(total)
-        if at is not None and self.cfg.sync == "diloco":
-            h = self.cfg.inner_steps
-            at = min(-(-at // h) * h, -(-at // steps) * steps)
+        at = self._step_switch(steps)
         if at is None or at >= total:
             raise ConfigError(f"warmup_steps {self.cfg.warmup_steps:g} is invalid with "
                               f"{total} optimizer steps in the run: allowed a switch before the "
@@ -93,6 +90,28 @@ class PufferfishMethod(FullRankMethod):
             return None
         return self._switch(epoch, model, f"step {global_step} (epoch {epoch}, step {step})",
                             {"step": global_step})
+
+    def _step_switch(self, steps: int) -> int | None:
+        """``warmup_steps``' switch step (under DiLoCo the next outer step from there)."""
+        at = self.cfg.switch_step(self.cfg.epochs * steps)
+        if at is not None and self.cfg.sync == "diloco":
+            h = self.cfg.inner_steps
+            at = min(-(-at // h) * h, -(-at // steps) * steps)
+        return at
+
+    def lr_scale(self, global_step: int, steps_per_epoch: int) -> float:
+        """``switch_lr_warmup``: after the switch the LR ramps linearly from 1/W of the
+        schedule's back to it over W steps, as ReLoRA does after each of its resets: the
+        factors (and, with ``reset``, Adam's fresh moments) start with small steps."""
+        ramp = self.cfg.switch_lr_warmup
+        if ramp <= 0 or not self.switch.switched or self.cfg.mode != "pufferfish":
+            return 1.0
+        total = self.cfg.epochs * steps_per_epoch
+        width = max(1, round(ramp * total) if ramp < 1 else int(ramp))
+        at = self._step_switch(steps_per_epoch) if self.in_steps else \
+            int(self.switch.policy.switched_at or 0) * steps_per_epoch
+        since = global_step - (at or 0)
+        return 1.0 if since >= width else (max(0, since) + 1) / width
 
     def _switch(self, epoch: int, model: nn.Module, when: str,
                 record: dict[str, Any]) -> Change:

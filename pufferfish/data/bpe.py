@@ -37,7 +37,7 @@ from .gcide import load_gcide
 from .text import load_kjv, load_text_file, split_lines
 
 __all__ = ["BPE_CORPORA", "EOT", "MIN_VOCAB", "BPECorpus", "corpus_lines", "corpus_splits",
-           "default_cache_dir", "load_bpe_corpus"]
+           "default_cache_dir", "load_bpe_corpus", "split_documents"]
 
 EOT = "<|endoftext|>"
 MIN_VOCAB = 257  # the 256 byte tokens of a byte-level BPE and <|endoftext|>
@@ -73,31 +73,41 @@ def corpus_lines(name: str) -> tuple[list[str], str]:
     if path.is_file():
         return load_text_file(path), path.stem
     looks_like_file = bool(path.suffix) or "/" in name
-    raise DataError(f"data {name!r}: " + ("no such file" if looks_like_file else "no such corpus")
-                    + f"; allowed {', '.join(BPE_CORPORA)} or a path to a UTF-8 text file")
+    raise DataError(f"data {name!r} " + ("does not exist" if looks_like_file else
+                                          "is no text corpus")
+                    + f": allowed {', '.join(BPE_CORPORA)} or a path to a UTF-8 text file")
 
 
 def corpus_splits(name: str) -> tuple[tuple[list[str], list[str], list[str]], str, list[str]]:
     """(train, valid, test) documents of corpus ``name``, its short name and all its lines (the
-    digest's input): each source split by document, repeats dropped where the corpus says so."""
+    digest's input)."""
     key = name.strip().lower()
     sources, dedupe = BPE_CORPORA.get(key, ((), False))
     if not sources:
         lines, stem = corpus_lines(name)
         return _split(lines), stem, lines
     parts = [_SOURCES[source]() for source in sources]
+    stem = key.replace("+", "-").replace("bible", "kjv")
+    return split_documents(parts, dedupe), stem, [line for lines in parts for line in lines]
+
+
+def split_documents(parts: Sequence[Sequence[str]], dedupe: bool
+                    ) -> tuple[list[str], list[str], list[str]]:
+    """Each source's documents split on their own (:data:`SPLIT`), then joined; with ``dedupe``
+    a validation or test document whose exact text is also in training (or, for test, in
+    validation) is dropped."""
     train: list[str] = []
     valid: list[str] = []
     test: list[str] = []
     for lines in parts:
-        a, b, c = _split(lines)
+        a, b, c = _split(list(lines))
         train, valid, test = train + a, valid + b, test + c
     if dedupe:
         seen = set(train)
         valid = [d for d in valid if d not in seen]
-        test = [d for d in test if d not in seen and d not in set(valid)]
-    stem = key.replace("+", "-").replace("bible", "kjv")
-    return (train, valid, test), stem, [line for lines in parts for line in lines]
+        seen.update(valid)
+        test = [d for d in test if d not in seen]
+    return train, valid, test
 
 
 def _split(lines: list[str]) -> tuple[list[str], list[str], list[str]]:

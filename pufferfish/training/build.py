@@ -173,9 +173,15 @@ def write_config(cfg: TrainConfig, env: DistEnv, run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text(run_dir / "config.toml",
                    dump_toml(dataclasses.replace(cfg, resume="", overwrite=False)))
-    dist_env.say(env, "configuration:\n" + _indent(dump_toml(cfg)))
-    dist_env.say(env, f"{cfg.model} on {cfg.data}, mode {cfg.mode}: {env.world_size} process(es), "
-                      f"backend {env.backend or 'none'}, device {env.device}, comm {cfg.comm}")
+    # The whole configuration only under --verbose: ~90 lines would bury the warnings above it
+    # (a rejected checkpoint, say); config.toml holds it.
+    if cfg.verbose:
+        dist_env.say(env, "configuration:\n" + _indent(dump_toml(cfg)))
+    dist_env.say(env, f"{cfg.model} (width {cfg.width:g}) on {cfg.data}, mode {cfg.mode}, "
+                      f"{cfg.epochs} epochs: {env.world_size} process(es), backend "
+                      f"{env.backend or 'none'}, device {env.device}, comm {cfg.comm}")
+    dist_env.say(env, f"configuration: {run_dir / 'config.toml'}"
+                      + ("" if cfg.verbose else " (--verbose prints it)"))
 
 
 def rebuild(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,

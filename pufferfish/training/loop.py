@@ -6,7 +6,7 @@ The loop knows nothing of low rank: at each epoch start it asks the method, and 
 has changed the model it rebuilds what depends on the parameters (optimizer, DDP wrapper, comm
 hook) through the same function that built them at the start
 (:mod:`~pufferfish.training.build`). Reading order: :func:`train`, :func:`_train` (set-up,
-resume, the epochs), :func:`_train_epoch`, :func:`_step` (the one
+resume), :func:`_epochs`, :func:`_train_epoch`, :func:`_step` (the one
 :func:`~pufferfish.training.step.train_step` with this run's options).
 
 Resume: every stateful part of a run saves and loads its own state, and a checkpoint holds them
@@ -46,6 +46,7 @@ from ..distributed.buckets import BucketTuner
 from ..distributed.env import DistEnv
 from . import checkpoint as ckpt
 from . import faults, optim, startup, tasks
+from .board import open_board, summary_writer
 from .budget import resolve_token_budget
 from .build import (
     SYNC_FIELDS,
@@ -68,7 +69,7 @@ from .guards import (
     snapshot,
 )
 from .methods import Method, build_method
-from .metrics import EvalLog, MetricsWriter, quality_key, selection_key
+from .metrics import MetricsWriter, quality_key, selection_key
 from .run import Progress, Run
 from .schedule import lr_at
 from .step import train_step
@@ -127,6 +128,8 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     # First collective of the run, before anything whose collectives depend on the configuration
     # (the download barrier, DDP): mismatched configurations fail here, by name, on every rank.
     startup.check_config_agrees(cfg, env)
+    if cfg.logger == "tensorboard":
+        summary_writer()  # the package is there: else refused on every rank, nothing written
     if not cfg.out:  # a fresh directory: rank 0's name (clocks can tick between ranks)
         run_dir = Path(dist_env.broadcast_object(str(run_dir), env))
         cfg = dataclasses.replace(cfg, out=str(run_dir))
@@ -143,8 +146,6 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     task = build_task(cfg, env)
     model = task.model.to(env.device)
     method.setup(model, task.example_input(env.device), cfg)
-    writer = MetricsWriter(run_dir, enabled=env.is_main)
-    evals = EvalLog(run_dir, enabled=env.is_main)
     startup.check_agree(env, "the data or the checkpoint to resume", {
         **startup.data_fingerprint(task),
         "resume_from": None if resumed is None else resumed[1].name}, DataError)
@@ -155,21 +156,36 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         run = prepare(cfg, model, env, method, buckets, mesh)
     else:
         run = resume(cfg, env, method, task, model, *resumed, buckets, mesh)
+    # The board's events from the next step on, left by a crashed attempt, are hidden (purged).
+    writer = MetricsWriter(run_dir, env.is_main, open_board(cfg.logger, run_dir, env.is_main,
+                                                            run.progress.global_step + 1))
+    if resumed is not None:
         with signals_deferred():  # rows of the epoch being redone go
             writer.truncate(run.progress.epoch)
-            evals.truncate(run.progress.global_step)
+            writer.evals.truncate(run.progress.global_step)
     write_config(cfg, env, run_dir)
     if cfg.compile:
         # In place (the same module, the same state_dict keys): DDP calls the compiled forward,
         # and the modules a switch swaps in fail dynamo's guards once: one recompilation.
         run.model.compile(backend=cfg.compile_backend)
+    try:
+        _epochs(cfg, env, run, method, task, run_dir, writer)
+    finally:
+        writer.close()
+    if env.is_main:
+        dist_env.say(env, writer.final_table())
+    return writer.rows
 
+
+def _epochs(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task, run_dir: Path,
+            writer: MetricsWriter) -> None:
+    """The epochs that remain: each trained, evaluated, recorded and checkpointed."""
     total = method.total_epochs(cfg)
     while run.progress.epoch < total:
         epoch = run.progress.epoch
         if run.progress.step_in_epoch == 0:
-            _start_epoch(cfg, env, run, method, task, run_dir)
-        row = _train_epoch(cfg, env, run, method, task, run_dir, evals)
+            _start_epoch(cfg, env, run, method, task, run_dir, writer)
+        row = _train_epoch(cfg, env, run, method, task, run_dir, writer)
         row.update(task.evaluate(run.model, env))
         if epoch + 1 == total:  # the reported figures (the LM's test split), after the last epoch
             row.update(task.final_metrics(run.model, env))
@@ -179,20 +195,17 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         row.update(run.figures)
         row.update(method.on_epoch_end(epoch, run.model))
         with signals_deferred():
-            writer.write(row)
+            writer.write(row, run.progress.global_step)
         dist_env.say(env, _summary(row, total))
         run.progress.epoch, run.progress.step_in_epoch = epoch + 1, 0
         every = cfg.checkpoint_every_epochs  # 0: only the last epoch's
         if epoch + 1 == total or (every and (epoch + 1) % every == 0):
             checkpoint(cfg, env, run, method, task, run_dir)
         note_buckets(env, run, run_dir)
-    if env.is_main:
-        dist_env.say(env, writer.final_table())
-    return writer.rows
 
 
 def _start_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
-                 run_dir: Path) -> None:
+                 run_dir: Path, writer: MetricsWriter) -> None:
     """Before an epoch's first step: the method's change of the model, if any, then a fresh
     optimizer (its state reset unless the method carries some over), DDP wrapper and comm hook
     for the changed parameters."""
@@ -202,12 +215,13 @@ def _start_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
         change = method.on_epoch_start(run.progress.epoch, run.model)
     if change is not None:
         rebuild(cfg, env, run, method, task, change, before, run_dir)
+        writer.change(change.name, change.text, change.record, run.progress.global_step + 1)
 
 
 # -- one epoch, one step -----------------------------------------------------------------------
 
 def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
-                 run_dir: Path, evals: EvalLog) -> dict[str, Any]:
+                 run_dir: Path, writer: MetricsWriter) -> dict[str, Any]:
     """The epoch's remaining steps (all of them, unless resumed mid-epoch); its metrics row."""
     loader, progress = task.train_loader, run.progress
     loader.set_epoch(progress.epoch)
@@ -226,8 +240,11 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
             change = method.on_step_start(progress.epoch, i, steps, run.model)
         if change is not None:  # a switch in steps (warmup_steps), mid-epoch
             rebuild(cfg, env, run, method, task, change, before, run_dir)
+            writer.change(change.name, change.text, change.record, progress.global_step + 1)
         run.meter.batch_ready()
-        lr = lr_at(cfg, method.schedule_step(progress.global_step, steps), steps)
+        lr = lr_at(cfg, method.schedule_step(progress.global_step, steps), steps) \
+            * method.lr_scale(progress.global_step, steps)
+        sent = _bytes_sent(run)
         with run.buckets.step(run):  # during a bucket trial: timed, perhaps re-wrapped
             loss, bad = _step(cfg, env, run, method, task, batch, i, lr)
         progress.global_step += 1
@@ -235,12 +252,14 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
         _after_step(run, steps)
         method.on_step_end(progress.epoch, i + 1, steps, run.model)
         run.meter.step_done(loss, applied=bad is None)
+        writer.step(progress.global_step, loss, lr, run.meter.last_step_time,
+                    max(0.0, _bytes_sent(run) - sent))
         bar.update(1)
         if env.is_main and i % 10 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.3g}")
         if cfg.eval_every_steps and progress.global_step % cfg.eval_every_steps == 0 \
                 and progress.step_in_epoch < steps:  # the epoch's end evaluates anyway
-            _evaluate_within_epoch(env, run, task, evals)
+            _evaluate_within_epoch(env, run, task, writer)
         if cfg.checkpoint_every_steps and progress.global_step % cfg.checkpoint_every_steps == 0 \
                 and progress.step_in_epoch < steps:
             checkpoint(cfg, env, run, method, task, run_dir)
@@ -248,12 +267,12 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
     return _epoch_row(cfg, env, run, method, steps)
 
 
-def _evaluate_within_epoch(env: DistEnv, run: Run, task: Task, evals: EvalLog) -> None:
+def _evaluate_within_epoch(env: DistEnv, run: Run, task: Task, writer: MetricsWriter) -> None:
     """``--eval-every-steps``: the task's evaluation now, printed and kept in ``evals.jsonl``."""
     row = {"epoch": run.progress.epoch + 1, "step": run.progress.global_step,
            **task.evaluate(run.model, env)}
     with signals_deferred():
-        evals.write(row)
+        writer.evals.write(row)
     dist_env.say(env, " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                  for k, v in row.items()))
 
@@ -313,6 +332,12 @@ def _comm_stats(run: Run) -> Any:
     return None if owner is None else owner.stats
 
 
+def _bytes_sent(run: Run) -> float:
+    """The bytes this process has sent so far this epoch (the counts reset at its start)."""
+    stats = _comm_stats(run)
+    return 0.0 if stats is None else float(stats.snapshot().get("bytes_sent", 0.0))
+
+
 def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
                steps: int) -> dict[str, Any]:
     """The epoch's metrics: its mean loss over all ranks, times, and the comm hook's counts."""
@@ -328,7 +353,7 @@ def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
         "train_loss": total_loss / total_steps if total_steps else float("nan"),
         "skipped_steps": counts["skipped_steps"],
         "steps": counts["n_steps"] + counts["skipped_steps"],  # optimizer steps of the epoch
-        "lr": lr_at(cfg, method.schedule_step(last, steps), steps),
+        "lr": lr_at(cfg, method.schedule_step(last, steps), steps) * method.lr_scale(last, steps),
         "epoch_time": counts["epoch_time"],
         "compute_time": counts["compute_time"],
         "data_time": counts["data_time"],

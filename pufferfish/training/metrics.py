@@ -2,6 +2,8 @@
 
 Only rank 0 writes. Each file is rewritten whole through a temporary file and a rename, so a
 crash never leaves half a row, and a resumed run drops the rows of epochs it is about to redo.
+With ``--logger tensorboard`` the writers also forward what they record, and each optimizer step's
+scalars, to the run's :class:`~pufferfish.training.board.Board` (the one place that logs them).
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..formatting import markdown_table
+from .board import Board
 from .checkpoint import atomic_write_text
 
 __all__ = ["EvalLog", "MetricsWriter", "quality_key", "read_metrics", "selection_key"]
@@ -39,18 +44,41 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
-        self.run_dir, self.enabled = Path(run_dir), enabled
+    """The run's record: epoch rows (``write``), and through ``evals`` the evaluations within
+    epochs; with a ``board`` (``--logger tensorboard``) also the steps and the model's changes."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True, board: Board | None = None) -> None:
+        self.run_dir, self.enabled, self.board = Path(run_dir), enabled, board
         self.rows: list[dict[str, Any]] = []
+        self.evals = EvalLog(run_dir, enabled, board)
 
     def truncate(self, epochs_done: int) -> None:
         """On resume: keep the rows of the first ``epochs_done`` epochs."""
         self.rows = [r for r in read_metrics(self.run_dir) if r["epoch"] <= epochs_done]
         self._flush()
 
-    def write(self, row: dict[str, Any]) -> None:
+    def write(self, row: dict[str, Any], step: int | None = None) -> None:
+        """An epoch's row; ``step``: the global optimizer step it ends at (the board's x axis)."""
         self.rows.append(row)
         self._flush()
+        if self.board is not None and step is not None:
+            self.board.epoch(row, step)
+
+    def step(self, step: int, loss: torch.Tensor, lr: float, step_time: float,
+             comm_bytes: float) -> None:
+        """Optimizer step ``step`` (1-based, global) is done: only the board keeps steps."""
+        if self.board is not None:
+            self.board.step(step, loss, {"lr": lr, "time_s": step_time, "comm_bytes": comm_bytes})
+
+    def change(self, name: str, text: str, record: dict[str, Any], step: int) -> None:
+        """The method changed the model before optimizer step ``step`` (the switch); its report
+        is already in ``RUN_DIR/<name>.txt/.json``."""
+        if self.board is not None:
+            self.board.change(name, text, record, step)
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
 
     def _flush(self) -> None:
         if not self.enabled:
@@ -92,13 +120,12 @@ def _fmt(column: str, value: Any) -> str:
     return str(value)
 
 
-
 class EvalLog:
     """Evaluations within epochs (``--eval-every-steps``): ``evals.jsonl``, one row each, with
     its global ``step``; rewritten whole like the metrics, and cut back on resume."""
 
-    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
-        self.path, self.enabled = Path(run_dir) / "evals.jsonl", enabled
+    def __init__(self, run_dir: Path, enabled: bool = True, board: Board | None = None) -> None:
+        self.path, self.enabled, self.board = Path(run_dir) / "evals.jsonl", enabled, board
         self.rows: list[dict[str, Any]] = []
 
     def truncate(self, global_step: int) -> None:
@@ -112,6 +139,8 @@ class EvalLog:
     def write(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         self._flush()
+        if self.board is not None:
+            self.board.evaluation(row)
 
     def _flush(self) -> None:
         if self.enabled:

@@ -7,6 +7,8 @@ decide which checkpoint, if any, the run continues from.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -26,6 +28,7 @@ from ..config import ConfigError, TrainConfig, load_config
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 from . import checkpoint as ckpt
+from .board import BOARD_SUBDIR
 from .tasks import LEGACY_RUN_VALUES, Task
 
 # Fields that may legitimately differ between ranks: node-local paths, per-process CPU threads,
@@ -36,7 +39,7 @@ PER_RANK_FIELDS = ("data_dir", "threads", "progress")
 # ``--resume auto``) may find them changed; any other difference means the run directory holds a
 # different run, which is refused rather than silently continued.
 RUN_LOCAL_FIELDS = (*PER_RANK_FIELDS, "resume", "overwrite", "download", "timeout_s",
-                    "keep_checkpoints")
+                    "keep_checkpoints", "verbose", "logger")
 
 
 # -- agreement across ranks ------------------------------------------------------
@@ -230,6 +233,14 @@ def _decide(cfg: TrainConfig, env: DistEnv, run_dir: Path,
     return found
 
 
+def _default(name: str) -> Any:
+    """A TrainConfig field's default (None for a name that is no field)."""
+    spec = TrainConfig.__dataclass_fields__.get(name)
+    if spec is None:
+        return None
+    return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default  # type: ignore[misc]
+
+
 def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: _Look,
                     run_dir: Path, world_size: int, run_fields: tuple[str, ...]) -> None:
     """The checkpoint must be of this run: all fields (automatic resume) or those defining it."""
@@ -238,7 +249,9 @@ def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: 
     config = {**{k: v for k, v in LEGACY_RUN_VALUES.items() if k in run_fields},
               **saved["config"]}
     if look.lenient:
-        ckpt.verify_compatible({k: config.get(k) for k in run_fields},
+        # A key the checkpoint lacks was written before the field existed: it ran the default
+        # (or, for a field in LEGACY_RUN_VALUES, that old value).
+        ckpt.verify_compatible({k: config.get(k, _default(k)) for k in run_fields},
                                {k: getattr(cfg, k) for k in run_fields}, what="configuration")
     else:
         # Other keys the checkpoint does not know are not compared.
@@ -263,7 +276,8 @@ def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: 
 
 # The files a run writes into its directory besides its checkpoints (build.py: config and the
 # bucket choices, metrics.py, and the
-# methods' change records: factorization, prune-round-N, channel-pruning). They make a directory
+# methods' change records: factorization, prune-round-N, channel-pruning), and board.py's event
+# files in tb/ (--logger tensorboard). They make a directory
 # "an earlier run", and they and the checkpoint files are all that --overwrite removes.
 _RUN_FILE = r"(config\.toml|buckets\.json|metrics\.(jsonl|csv)|evals\.jsonl|(factorization|channel-pruning|prune-round-\d+)\.(txt|json))"
 _RUN_FILE_RE = re.compile(rf"^{_RUN_FILE}$")
@@ -282,7 +296,8 @@ def run_files(run_dir: Path, *, temps: bool = False) -> list[Path]:
         return []
     own = sorted(p for p in run_dir.iterdir() if p.is_file() and (
         _RUN_FILE_RE.match(p.name) or (temps and _RUN_TEMP_RE.match(p.name))))
-    return own + ckpt.checkpoint_files(run_dir, temps=temps)
+    board = sorted((run_dir / BOARD_SUBDIR).glob("events.out.tfevents.*"))
+    return own + [p for p in board if p.is_file()] + ckpt.checkpoint_files(run_dir, temps=temps)
 
 
 def _claim(cfg: TrainConfig, run_dir: Path, how: str, own: bool) -> list[Path]:
@@ -349,6 +364,8 @@ def _remove(run_dir: Path, files: list[Path]) -> None:
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # tb/, if only the event files removed were in it
+        (run_dir / BOARD_SUBDIR).rmdir()
     others = sorted(p for p in [*run_dir.iterdir(), *_entries(run_dir / ckpt.CHECKPOINT_SUBDIR)]
                     if p.name != ckpt.CHECKPOINT_SUBDIR or p.parent != run_dir)
     kept = f"; left alone: {_names(others, run_dir)}" if others else ""

@@ -86,12 +86,14 @@ class EpochMeter:
         """The epoch (or its resumed remainder) starts now."""
         self.local_steps = 0
         self.compute_time = self.data_time = 0.0
+        self.last_data_time = self.last_step_time = 0.0  # the latest step's (--logger)
         self.started = self._mark = time.perf_counter()
 
     def batch_ready(self) -> None:
         """The next batch is here: the wait since the last step was data loading."""
         now = time.perf_counter()
-        self.data_time += now - self._mark
+        self.last_data_time = now - self._mark
+        self.data_time += self.last_data_time
         self._mark = now
 
     def step_done(self, loss: torch.Tensor, applied: bool) -> None:
@@ -103,6 +105,7 @@ class EpochMeter:
         self.local_steps += 1
         now = time.perf_counter()
         self.compute_time += now - self._mark
+        self.last_step_time = self.last_data_time + now - self._mark  # waiting for data included
         self._mark = now
 
     def finish(self) -> dict[str, Any]:

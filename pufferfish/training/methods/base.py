@@ -56,6 +56,10 @@ class Method:
         """The step the LR schedule is at (a method that restarts training restarts it)."""
         return global_step
 
+    def lr_scale(self, global_step: int, steps_per_epoch: int) -> float:
+        """A factor on the schedule's LR at ``global_step`` (a method's own re-warm-up)."""
+        return 1.0
+
     def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
         """The optimizer's parameter groups (rebuilt with the optimizer after each change)."""
         return [{"params": list(model.parameters()), "weight_decay": cfg.weight_decay}]
