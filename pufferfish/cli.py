@@ -38,6 +38,7 @@ from .formatting import one_line
 from .training.checkpoint import CheckpointError
 from .training.loop import PeerError, TrainingError, train
 from .training.report import compare_runs
+from .training.startup import load_run_config
 
 __all__ = ["main"]
 
@@ -277,7 +278,6 @@ class _HelpFormatter(argparse.HelpFormatter):
 def _cmd_train(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {k: getattr(args, k) for k in FIELDS
                                  if getattr(args, k, None) is not None}
-    config = args.config
     if overrides.get("resume") and overrides["resume"] != "auto":
         # Continue a run: its saved configuration, then any flags given now (e.g. more epochs).
 
@@ -285,9 +285,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if not saved.exists():
             raise ConfigError(f"--resume {overrides['resume']!r}: no config.toml there, not a run "
                               "directory")
-        config = saved
         overrides.setdefault("out", overrides["resume"])
-    cfg = load_config(config, overrides)
+        cfg = load_run_config(saved, overrides)
+    else:
+        cfg = load_config(args.config, overrides)
     train(cfg)
     return 0
 

@@ -68,7 +68,8 @@ class TrainConfig:
     data: str = "fashion-mnist"  # fashion-mnist, cifar10, kjv, or a path to a UTF-8 text file
     data_dir: str = ""  # directory of the dataset's files (empty: the dataset's default)
     download: bool = False  # fetch missing dataset files from their official URLs
-    train_subset: int = 0  # use only the first N training examples (0: all)
+    val_subset: int = 5000  # images: hold out N training images (a fixed draw, the same for every seed and mode) as the validation split choices are made on (0: none)
+    train_subset: int = 0  # use only the first N training examples (0: all; images: all not held out by val_subset)
     test_subset: int = 0  # use only the first N test examples (0: all)
     # The method
     mode: str = "pufferfish"  # full, pufferfish (warm-up, then factorize), lowrank (from step 0), galore, lth, prune
@@ -176,8 +177,8 @@ class TrainConfig:
         if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ConfigError(f"grad_accum {self.grad_accum!r} is invalid (--grad-accum: micro-batches "
                               "per optimizer step): allowed an integer >= 1")
-        for name in ("max_vocab", "train_subset", "test_subset", "keep_first", "checkpoint_every_epochs",
-                     "checkpoint_every_steps", "threads",
+        for name in ("max_vocab", "train_subset", "val_subset", "test_subset", "keep_first",
+                     "checkpoint_every_epochs", "checkpoint_every_steps", "threads",
                      "stable_rank_every_steps", "eval_every_steps", "bn_batches"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")

@@ -300,7 +300,7 @@ def test_compare_writes_the_matched_size_table(tmp_path: Path) -> None:
     from pufferfish.baselines.compare import compare
 
     cfg = load_config(None, {"model": "vgg19_bn", "width": 0.125, "train_subset": 64,
-                             "test_subset": 32, "batch_size": 32, "epochs": 1,
+                             "val_subset": 32, "test_subset": 32, "batch_size": 32, "epochs": 1,
                              "warmup_epochs": "0", "prune_rate": 0.6, "threads": 1,
                              "progress": False})
     table = compare(cfg, tmp_path, methods=("pufferfish", "lth", "prune"), repeats=1)
@@ -310,4 +310,6 @@ def test_compare_writes_the_matched_size_table(tmp_path: Path) -> None:
     assert result["lth"]["epochs_trained"] > result["prune"]["epochs_trained"] == 1
     assert result["lth"]["macs"] > result["prune"]["macs"]
     assert "(dense)" in table and result["prune"]["latency_b1_ms"] > 0
+    assert "32 training images held out for validation" in table  # passed to every run
+    assert all(0 <= r["val_acc"] <= 1 for r in result.values())
     assert (tmp_path / "tradeoff.png").exists() and (tmp_path / "report.md").exists()

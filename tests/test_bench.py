@@ -236,7 +236,10 @@ def test_time_to_accuracy(tmp_path: Path) -> None:
     (["--methods", "ddp,pufferfish", "--method-epochs", "pufferfish=5"], "give --train too"),
     (["--train", "--test-subset", "20000"], "--test-subset 20000 is invalid: allowed 0 (all) to 10000"),
     (["--train", "--train-subset", "100000"], "--train-subset 100000 is invalid: allowed 0 (all) "
-     "to 60000"),
+     "to 55000 (Fashion-MNIST less the 5000 of --val-subset)"),
+    (["--train", "--val-subset", "60000"], "--val-subset 60000 is invalid: allowed 0 (none) to "
+     "59999"),
+    (["--train", "--val-subset", "-1"], "val_subset -1 is invalid: allowed >= 0"),
     (["--train", "--train-config", "/nonexistent.toml"],
      "--train-config: config file '/nonexistent.toml' does not exist"),
 ])
@@ -350,13 +353,13 @@ def test_train_runs_take_the_config_file_and_the_bench_flags_win(tmp_path: Path)
 
     toml = tmp_path / "recipe.toml"
     toml.write_text('width = 0.5\nkeep = ["layer1.*"]\nswitch_momentum = "project"\n')
-    cfg = BenchConfig(train=True, width=0.25, epochs=4, train_config=str(toml))
+    cfg = BenchConfig(train=True, width=0.25, epochs=4, val_subset=300, train_config=str(toml))
     argv = _train_argv(cfg, "pufferfish", tmp_path / "run")
     assert argv[3:6] == ["train", "--config", str(toml)]
     args = _parser().parse_args(argv[3:])
     run = load_config(args.config, {k: getattr(args, k) for k in FIELDS
                                     if getattr(args, k, None) is not None})
-    assert (run.width, run.epochs, run.mode) == (0.25, 4, "pufferfish")  # the bench's flags
+    assert (run.width, run.epochs, run.mode, run.val_subset) == (0.25, 4, "pufferfish", 300)
     assert (run.keep, run.switch_momentum) == (["layer1.*"], "project")  # the file's keys
 
 

@@ -180,6 +180,34 @@ def test_disk_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(x, x2) and torch.equal(y, y2)
 
 
+def test_hold_out_is_a_fixed_disjoint_validation_split(tmp_path: Path) -> None:
+    make_fashion_dir(tmp_path, n_train=200, n_test=30)  # pixel (0, 0) = the file index
+    ds = load_dataset("fashion-mnist", tmp_path)
+    held = ds.hold_out(50)
+    train = held.train_images[:, 0, 0, 0].tolist()
+    val = held.val_images[:, 0, 0, 0].tolist()
+    assert len(val) == 50 and len(train) == 150
+    assert not set(train) & set(val) and sorted(train + val) == list(range(200))
+    assert train == sorted(train) and val == sorted(val)  # file order: --train-subset = first N
+    assert torch.equal(held.val_labels, ds.train_labels[held.val_images[:, 0, 0, 0].long()])
+    # Never the test split's images (pixel (0, 0) of those counts 0..29 too: compare wholly).
+    flat_test = {bytes(t.flatten().tolist()) for t in held.test_images}
+    assert not any(bytes(v.flatten().tolist()) in flat_test for v in held.val_images)
+    assert torch.equal(held.test_images, ds.test_images)
+    # The same draw whatever the global RNG (a run's seed) and on every call (every rank).
+    torch.manual_seed(12345)
+    again = load_dataset("fashion-mnist", tmp_path).hold_out(50)
+    assert torch.equal(again.val_images, held.val_images)
+    assert torch.equal(again.train_images, held.train_images)
+    none = ds.hold_out(0)
+    assert torch.equal(none.train_images, ds.train_images) and len(none.val_labels) == 0
+    for bad in (200, -1):
+        with pytest.raises(DataError) as info:
+            ds.hold_out(bad)
+        assert str(info.value) == (f"val_subset {bad} is invalid: allowed 0 (none) to 199 (the "
+                                   "training images of fashion-mnist, less one to train on)")
+
+
 def _expect_error(match_path: Path, fn, *args, **kwargs) -> str:
     with pytest.raises(DataError) as info:
         fn(*args, **kwargs)

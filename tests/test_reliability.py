@@ -146,7 +146,8 @@ def fake_fashion(directory: Path, n: int = 64, seed: int = 0, **broken: Any) -> 
 def test_mismatched_data_stops_every_rank_by_name(tmp_path: Path) -> None:
     """``data_dir`` may differ per node; what it holds may not."""
     port = free_port()
-    common = [*SMALL, "--batch-size", "16", "--train-subset", "64", "--test-subset", "16",
+    common = [*SMALL, "--batch-size", "16", "--train-subset", "48", "--val-subset", "16",
+              "--test-subset", "16",
               "--epochs", "1", "--warmup-epochs", "0", "--timeout-s", "20",
               "--out", str(tmp_path / "run")]
     dirs = [fake_fashion(tmp_path / "d0", seed=0), fake_fashion(tmp_path / "d1", seed=1)]

@@ -25,8 +25,9 @@ from pufferfish.training.checkpoint import latest_checkpoint
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 needs_fashion = pytest.mark.skipif(not FASHION.exists(), reason="dataset-fashion-mnist missing")
 
-TINY = ["--model", "resnet18", "--width", "0.125", "--train-subset", "256", "--test-subset", "64",
-        "--batch-size", "32", "--lr", "0.05", "--threads", "1", "--no-progress"]
+TINY = ["--model", "resnet18", "--width", "0.125", "--train-subset", "256", "--val-subset", "64",
+        "--test-subset", "64", "--batch-size", "32", "--lr", "0.05", "--threads", "1",
+        "--no-progress"]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, torchrun: int = 0,
@@ -137,7 +138,11 @@ def test_two_process_run_through_the_switch(tmp_path: Path) -> None:
     for key in ("epoch", "train_loss", "test_acc", "params", "macs", "epoch_time",
                 "comm_bytes_per_step"):
         assert key in rows[0]
-    assert 0 <= rows[1]["test_acc"] <= 1
+    for row in rows:  # both splits every epoch, each sharded over the two ranks
+        assert 0 <= row["val_acc"] <= 1 and 0 <= row["test_acc"] <= 1
+        assert row["val_loss"] > 0 and row["test_loss"] > 0
+        assert (64 * row["val_acc"]).is_integer() and (64 * row["test_acc"]).is_integer()
+    assert "| val_acc " in result.stdout
     assert (out / "factorization.txt").exists() and (out / "metrics.csv").exists()
     assert "switching to the low-rank model at epoch 1" in result.stdout
     assert result.stdout.count("epoch 1/2 |") == 1  # only rank 0 prints
@@ -272,7 +277,10 @@ def _write_idx(path: Path, magic: int, dims: list[int], payload: bytes) -> None:
     (["--warmup-epochs", "auto", "--switch-window", "0"], "switch_window 0.0 is invalid"),
     (["--warmup-epochs", "auto", "--switch-threshold", "-1"], "switch_threshold -1.0 is invalid"),
     (["--stable-rank-every-steps", "-2"], "stable_rank_every_steps -2 is invalid"),
-    (["--train-subset", "100000"], "train_subset 100000 is invalid: allowed 0 (all) to 60000"),
+    (["--train-subset", "100000"], "train_subset 100000 is invalid: allowed 0 (all) to 59936 "
+     "(the training images of fashion-mnist less the 64 of val_subset)"),
+    (["--val-subset", "60000"], "val_subset 60000 is invalid: allowed 0 (none) to 59999"),
+    (["--val-subset", "-5"], "val_subset -5 is invalid: allowed >= 0"),
     (["--test-subset", "20000"], "test_subset 20000 is invalid: allowed 0 (all) to 10000"),
     # one process has no all-reduce: the hook would silently do nothing
     (["--comm", "powersgd"], "comm 'powersgd' is invalid without a process group"),
@@ -345,3 +353,52 @@ def test_two_process_lm_equals_one_process_at_twice_the_batch(tmp_path: Path) ->
     for a, b in zip(rows1, rows2, strict=True):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
         assert b["test_ppl"] == pytest.approx(a["test_ppl"], rel=1e-3)
+
+
+@needs_fashion
+def test_the_validation_split_is_the_same_for_every_seed_mode_and_rank() -> None:
+    from pufferfish.distributed.env import DistEnv
+    from pufferfish.training.tasks import ImageTask
+
+    def task(rank: int, **changes: Any) -> ImageTask:
+        cfg = load_config(None, {"model": "resnet18", "width": 0.125, "val_subset": 500,
+                                 "test_subset": 64, "threads": 1, **changes})
+        return ImageTask(cfg, DistEnv(rank=rank, world_size=2))
+
+    a, b = task(0), task(1, seed=7, mode="full")
+    assert torch.equal(a.ds.val_images, b.ds.val_images) and len(a.ds.val_labels) == 500
+    # The two ranks' shards together are the split, each example once.
+    images = torch.empty_like(a.ds.val_images)
+    images[0::2], images[1::2] = a.val[0], b.val[0]
+    assert torch.equal(images, a.ds.val_images) and a.val[2] == b.val[2] == 500
+    # Held out of training: the loader trains on the other 59,500, --train-subset on their first.
+    assert a.train_loader.dataset_size == 60_000 - 500
+    c = task(0, train_subset=256)
+    assert torch.equal(c.train_loader.images.cpu(), a.ds.train_images[:256])
+
+
+def test_resume_with_another_validation_split_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pufferfish.cli import main
+    from pufferfish.config import TrainConfig, dump_toml
+    from pufferfish.training.checkpoint import save_checkpoint
+    from pufferfish.training.startup import load_run_config
+
+    run = tmp_path / "run"
+    cfg = TrainConfig(model="resnet18", width=0.125, train_subset=64, val_subset=100,
+                      batch_size=32, epochs=1, warmup_epochs="0", threads=1, progress=False,
+                      out=str(run))
+    run.mkdir()
+    (run / "config.toml").write_text(dump_toml(cfg))
+    save_checkpoint(run, {"config": cfg.to_dict(), "model": {}, "epoch": 1}, 4)
+    assert main(["train", "--resume", str(run), "--val-subset", "200"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "val_subset: checkpoint has 100, this run has 200" in err
+    # A run written before the field existed had no validation split: 0, not today's default.
+    old = {k: v for k, v in cfg.to_dict().items() if k != "val_subset"}
+    (run / "config.toml").write_text(dump_toml(cfg).replace("val_subset = 100\n", ""))
+    save_checkpoint(run, {"config": old, "model": {}, "epoch": 1}, 8)
+    assert load_run_config(run / "config.toml").val_subset == 0
+    assert main(["train", "--resume", str(run), "--val-subset", "5000"]) == 2
+    assert "val_subset: checkpoint has 0, this run has 5000" in capsys.readouterr().err

@@ -245,7 +245,7 @@ def _summarize(name: str, cfg: TrainConfig, dense: int, latency: bool,
     result: dict[str, Any] = {
         "method": name, "mode": cfg.mode, "run": cfg.out, "params": int(last["params"]),
         "params_vs_full": last["params"] / dense, "macs": int(last["macs"]),
-        "test_acc": last["test_acc"], "epochs_trained": len(rows),
+        "test_acc": last["test_acc"], "val_acc": last.get("val_acc"), "epochs_trained": len(rows),
         "train_seconds": sum(r["epoch_time"] for r in rows), "rank_ratio": cfg.rank_ratio,
         "density": last.get("density"), "rounds": last.get("round"),
         "switch_epoch": last.get("switch_epoch"), "prune_epoch": last.get("prune_epoch"),
@@ -284,8 +284,9 @@ def _table(base: TrainConfig, results: list[dict[str, Any]], target: int | None,
         f"# {base.model} (width {base.width}) on {base.data}: Pufferfish vs pruning at matched size",
         "",
         f"{base.epochs} epochs per run (LTH: per round), batch {base.batch_size}, lr {base.lr}, "
-        f"seed {base.seed}, train subset {base.train_subset or 'all'}, test subset "
-        f"{base.test_subset or 'all'}; matched parameter target {target:,}" if target else "",
+        f"seed {base.seed}, train subset {base.train_subset or 'all'}, {base.val_subset} "
+        f"training images held out for validation, test subset {base.test_subset or 'all'}; "
+        f"matched parameter target {target:,}" if target else "",
         "",
     ]
     rows = []

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, load_config
+from ..config import ConfigError
 from ..formatting import markdown_table
 from ..training.metrics import read_metrics
+from ..training.startup import load_run_config
 from . import projection as proj
 from .bandwidth import format_bps
 from .step import (
@@ -69,7 +70,7 @@ __all__ = [
 TARGET_POINTS: tuple[float, ...] = (0.5, 1.0)  # below full-rank DDP's final accuracy
 TARGET_METHODS = ("ddp", "fsdp")  # the full-rank run that sets the target, first found
 PROJECTED_WORKERS: tuple[int, ...] = (8, 64)
-FASHION_MNIST_TRAIN = 60_000  # training images; the bench measures Fashion-MNIST batches
+FASHION_MNIST_TRAIN = 60_000  # training images (a run trains on those val_subset leaves)
 FASHION_MNIST_TEST = 10_000
 
 
@@ -133,7 +134,7 @@ def load_accuracy_runs(
             raise ValueError(f"{where}: no metrics.jsonl there (not a `pufferfish train` run "
                              "directory)")
         try:
-            cfg = load_config(path / "config.toml")
+            cfg = load_run_config(path / "config.toml")
         except ConfigError as e:
             raise ValueError(f"{where}: {e}") from None
         rows = [r for r in read_metrics(path) if r.get("test_acc") is not None]
@@ -165,7 +166,7 @@ def load_accuracy_runs(
         # batch_size: the bench's per-worker batch, which the checks above made the run's too
         # (or its equal share of the same global batch)
         runs[method] = AccuracyRun(method, str(path), rows, cfg.epochs, batch_size,
-                                   cfg.train_subset or FASHION_MNIST_TRAIN)
+                                   cfg.train_subset or FASHION_MNIST_TRAIN - cfg.val_subset)
     return runs
 
 

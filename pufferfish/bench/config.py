@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, load_config
+from ..config import FIELDS, ConfigError, load_config
 from ..data import DEFAULT_FASHION_DIR
 from ..distributed.buckets import parse_bucket_mb
 from ..distributed.hooks import with_option_fields
@@ -119,6 +119,7 @@ class BenchConfig:
     method_epochs: str = ""
     warmup_epochs: int = 1
     train_subset: int = 0
+    val_subset: int = FIELDS["val_subset"].default  # held out of training, as `pufferfish train`
     test_subset: int = 0
     lr: float = 0.1
     inner_steps: int = 50  # DiLoCo methods: optimizer steps between synchronizations
@@ -169,14 +170,20 @@ class BenchConfig:
         if self.warmup < 2:
             raise ValueError(f"warmup {self.warmup} is invalid: allowed >= 2 (DDP rebuilds its "
                              "buckets after its first step, which must not be timed)")
-        for name in ("threads", "train_subset", "test_subset", "warmup_epochs", "alpha", "timeout"):
+        for name in ("threads", "train_subset", "val_subset", "test_subset", "warmup_epochs",
+                     "alpha", "timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
-        for name, n in (("train_subset", acc.FASHION_MNIST_TRAIN),
-                        ("test_subset", acc.FASHION_MNIST_TEST)):
+        if self.val_subset >= acc.FASHION_MNIST_TRAIN:
+            raise ValueError(f"--val-subset {self.val_subset} is invalid: allowed 0 (none) to "
+                             f"{acc.FASHION_MNIST_TRAIN - 1} (Fashion-MNIST, less one to train on)")
+        for name, n, what in (
+                ("train_subset", acc.FASHION_MNIST_TRAIN - self.val_subset,
+                 f"Fashion-MNIST less the {self.val_subset} of --val-subset"),
+                ("test_subset", acc.FASHION_MNIST_TEST, "Fashion-MNIST")):
             if getattr(self, name) > n:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: "
-                                 f"allowed 0 (all) to {n} (Fashion-MNIST)")
+                                 f"allowed 0 (all) to {n} ({what})")
         if self.lr <= 0:
             raise ValueError(f"lr {self.lr!r} is invalid: allowed > 0")
         epochs = self.epochs_per_method()
@@ -426,6 +433,8 @@ def _train_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
                     help="--train: Pufferfish's full-rank warm-up epochs")
     ap.add_argument("--train-subset", type=int, default=d.train_subset,
                     help="--train: first N training examples (0: all)")
+    ap.add_argument("--val-subset", type=int, default=d.val_subset,
+                    help="--train: training images held out as the validation split (0: none)")
     ap.add_argument("--test-subset", type=int, default=d.test_subset,
                     help="--train: first N test examples (0: all)")
     ap.add_argument("--lr", type=float, default=d.lr, help="--train: learning rate")
@@ -454,7 +463,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         epochs=args.epochs,
         method_epochs=args.method_epochs,
         warmup_epochs=args.warmup_epochs, train_subset=args.train_subset,
-        test_subset=args.test_subset, lr=args.lr, train_config=args.train_config,
+        val_subset=args.val_subset, test_subset=args.test_subset, lr=args.lr, train_config=args.train_config,
         inner_steps=args.inner_steps,
         rounds=args.rounds,
         accuracy_runs=args.accuracy_runs, accuracy_processes=args.accuracy_processes,

@@ -334,7 +334,8 @@ def _train_argv(cfg: BenchConfig, method: str, run_dir: Path) -> list[str]:
         "--width", str(cfg.width), "--data", "fashion-mnist",
         "--mode", "pufferfish" if factorized else "full", "--comm", hook,
         "--epochs", str(epochs), "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr),
-        "--train-subset", str(cfg.train_subset), "--test-subset", str(cfg.test_subset),
+        "--train-subset", str(cfg.train_subset), "--val-subset", str(cfg.val_subset),
+        "--test-subset", str(cfg.test_subset),
         *_hook_flags(cfg), _channels_flag(cfg), "--bucket-mb", str(cfg.bucket_mb),
         "--threads", str(cfg.worker_threads()), "--checkpoint-every-epochs", str(epochs),
         "--no-progress", "--out", str(run_dir), "--overwrite",  # a previous bench's run

@@ -16,6 +16,7 @@ Defaults (override with ``data_dir``):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from .cifar import CIFAR10_CLASSES, CIFAR10_URL, DEFAULT_CIFAR10_DIR, load_cifar
 from .cifar import CIFAR10_DIRNAME as CIFAR10_DIRNAME
 from .cifar import CIFAR10_MD5 as CIFAR10_MD5
 from .download import download
+from .errors import DataError
 from .fashion import (
     DEFAULT_FASHION_DIR,
     FASHION_MNIST_CLASSES,
@@ -50,6 +52,7 @@ __all__ = [
     "FASHION_MNIST_URL",
     "IMAGE_DATASETS",
     "NORMALIZATION",
+    "VALIDATION_SEED",
     "ImageDataset",
     "TensorImageLoader",
     "clear_cache",
@@ -68,10 +71,15 @@ NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
 }
 
+# The generator seed of the permutation that picks the validation images (:meth:`ImageDataset.
+# hold_out`): fixed, not the run's seed, so every seed, method and rank holds out the same images.
+VALIDATION_SEED = 20_240_601
+
 
 @dataclass(frozen=True)
 class ImageDataset:
-    """Both splits of an image dataset plus what a model/loader needs to know about them."""
+    """Both splits of an image dataset plus what a model/loader needs to know about them; after
+    :meth:`hold_out`, a validation split taken out of the training one too."""
 
     name: str
     train_images: torch.Tensor
@@ -82,6 +90,29 @@ class ImageDataset:
     std: tuple[float, ...]
     classes: tuple[str, ...]
     crop_padding: int
+    val_images: torch.Tensor | None = None  # held out of the training images (hold_out)
+    val_labels: torch.Tensor | None = None
+
+    def hold_out(self, n: int) -> ImageDataset:
+        """This dataset with ``n`` training images moved to a validation split.
+
+        They are the first ``n`` of a fixed permutation of the training split (generator seeded
+        with :data:`VALIDATION_SEED`): the same images whatever the run's seed, method or number
+        of processes, and never trained on. Both splits keep the file order (so ``--train-subset``
+        takes the first examples of what remains). ``n`` 0: an empty validation split.
+        """
+        total = len(self.train_labels)
+        if not 0 <= n < total:
+            raise DataError(f"val_subset {n} is invalid: allowed 0 (none) to {total - 1} (the "
+                            f"training images of {self.name}, less one to train on)")
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(VALIDATION_SEED))
+        held = torch.zeros(total, dtype=torch.bool)
+        held[order[:n]] = True
+        train = (self.train_images[~held], self.train_labels[~held]) if n else \
+            (self.train_images, self.train_labels)
+        return dataclasses.replace(self, train_images=train[0], train_labels=train[1],
+                                   val_images=self.train_images[held],
+                                   val_labels=self.train_labels[held])
 
     @property
     def num_classes(self) -> int:

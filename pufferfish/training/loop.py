@@ -77,7 +77,7 @@ from .guards import (
     snapshot,
 )
 from .methods import Method, build_method
-from .metrics import MetricsWriter, quality_key
+from .metrics import MetricsWriter, quality_key, selection_key
 from .run import Progress, Run
 from .schedule import lr_at
 from .step import micro_batch_groups, train_step
@@ -441,8 +441,9 @@ def _step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
 # -- output ------------------------------------------------------------------------------------
 
 def _summary(row: dict[str, Any], total_epochs: int) -> str:
-    key = quality_key(row)
-    quality = f"{key} {row[key]:.1f}" if key != "test_acc" else f"test_acc {100 * row[key]:.2f}%"
+    quality = " | ".join(f"{key} {100 * row[key]:.2f}%" if key.endswith("_acc") else
+                         f"{key} {row[key]:.1f}"
+                         for key in dict.fromkeys((selection_key(row), quality_key(row))))
     if "tokens_per_s" in row:
         quality += f" | {row['tokens_per_s']:.0f} tok/s"
     size = f"params {row['params'] / 1e6:.2f}M | "

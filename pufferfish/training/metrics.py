@@ -20,12 +20,20 @@ from ..formatting import markdown_table
 from .board import Board
 from .checkpoint import atomic_write_text
 
-__all__ = ["EvalLog", "MetricsWriter", "quality_key", "read_metrics"]
+__all__ = ["EvalLog", "MetricsWriter", "quality_key", "read_metrics", "selection_key"]
 
 
 def quality_key(row: dict[str, Any]) -> str:
-    """The row's headline figure: ``test_ppl`` / ``val_ppl`` (language models) or ``test_acc``."""
+    """The row's headline figure, the one reported: ``test_ppl`` / ``val_ppl`` (language models)
+    or ``test_acc``. Not for choosing: see :func:`selection_key`."""
     return next((k for k in ("test_ppl", "val_ppl") if k in row), "test_acc")
+
+
+def selection_key(row: dict[str, Any]) -> str:
+    """The figure choices (an epoch, a switch point, a learning rate, a variant) are made on: the
+    validation split's ``val_acc`` / ``val_ppl``; a run without one (``--val-subset 0``, runs
+    written before it existed) has only :func:`quality_key`'s."""
+    return next((k for k in ("val_acc", "val_ppl") if k in row), quality_key(row))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -91,7 +99,8 @@ class MetricsWriter:
         if not self.rows:
             return ""
         quality = quality_key(self.rows[-1])
-        cols = ["epoch", "train_loss", quality, "params", "macs", "lowrank", "epoch_time",
+        chosen = selection_key(self.rows[-1])
+        cols = ["epoch", "train_loss", *dict.fromkeys((chosen, quality)), "params", "macs", "lowrank", "epoch_time",
                 "comm_bytes_per_step"]
         return "\n".join(markdown_table(cols, ([_fmt(c, r.get(c)) for c in cols]
                                                for r in self.rows)))
@@ -100,7 +109,7 @@ class MetricsWriter:
 def _fmt(column: str, value: Any) -> str:
     if value is None:
         return "-"
-    if column == "test_acc":
+    if column in ("val_acc", "test_acc"):
         return f"{100 * value:.2f}%"
     if column in ("params", "macs"):
         return f"{value / 1e6:.2f}M"

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..formatting import markdown_table
 from ..outputs import claim_outputs
-from .metrics import quality_key, read_metrics
+from .metrics import quality_key, read_metrics, selection_key
 
 __all__ = ["compare_runs", "summarize_run"]
 
@@ -33,7 +33,10 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
     cfg_path = run_dir / "config.toml"
     cfg = tomllib.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     last = rows[-1]
-    key = quality_key(last)
+    key, choose = quality_key(last), selection_key(last)
+    scored = [r for r in rows if choose in r]
+    # The best epoch as one would choose it: on the validation split where the run has one.
+    best = (max if choose.endswith("_acc") else min)(scored, key=lambda r: r[choose])
     low = [r for r in rows if r.get("lowrank")]
     full = [r for r in rows if not r.get("lowrank")]
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs) if rs else None  # noqa: E731
@@ -44,7 +47,9 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
         "epochs": last["epoch"],
         "quality_key": key,
         "final": last[key],
-        "best": (min if key != "test_acc" else max)(r[key] for r in rows),
+        "selection_key": choose,
+        "best_epoch": best["epoch"],
+        "best": best[choose],
         "params": last["params"],
         "macs": last["macs"],
         "epoch_time": mean(rows, "epoch_time"),
@@ -112,6 +117,8 @@ def _plot(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     key = runs[0]["quality_key"]
+    if not all(key in row for r in runs for row in r["rows"]):  # llama: test_ppl at the end only
+        key = runs[0]["selection_key"]
     label = {"test_ppl": "test perplexity", "val_ppl": "validation perplexity"}.get(
         key, "test accuracy")
     fig, (ax_epoch, ax_time) = plt.subplots(1, 2, figsize=(11, 4))

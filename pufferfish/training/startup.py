@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import sys
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 from . import checkpoint as ckpt
 from .board import BOARD_SUBDIR
-from .tasks import Task
+from .tasks import LEGACY_RUN_VALUES, Task
 
 # Fields that may legitimately differ between ranks: node-local paths, per-process CPU threads,
 # and rank 0's progress bar. Everything else must be identical or the replicas train different
@@ -96,8 +97,8 @@ def data_fingerprint(task: Task) -> dict[str, Any]:
     """
     source = getattr(task, "ds", None) or getattr(task, "corpus", None)
     out: dict[str, Any] = {}
-    for name in ("train_images", "train_labels", "test_images", "test_labels",
-                 "train", "valid", "test"):
+    for name in ("train_images", "train_labels", "val_images", "val_labels", "test_images",
+                 "test_labels", "train", "valid", "test"):
         t = getattr(source, name, None)
         if isinstance(t, torch.Tensor):
             out[name] = _sample_digest(t)
@@ -245,16 +246,20 @@ def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: 
                     run_dir: Path, world_size: int, run_fields: tuple[str, ...]) -> None:
     """The checkpoint must be of this run: all fields (automatic resume) or those defining it."""
     saved, path = found
+    # A run field the checkpoint does not know (written before it was added) had its old value.
+    config = {**{k: v for k, v in LEGACY_RUN_VALUES.items() if k in run_fields},
+              **saved["config"]}
     if look.lenient:
-        # A key the checkpoint lacks was written before the field existed: it ran the default.
-        ckpt.verify_compatible({k: saved["config"].get(k, _default(k)) for k in run_fields},
+        # A key the checkpoint lacks was written before the field existed: it ran the default
+        # (or, for a field in LEGACY_RUN_VALUES, that old value).
+        ckpt.verify_compatible({k: config.get(k, _default(k)) for k in run_fields},
                                {k: getattr(cfg, k) for k in run_fields}, what="configuration")
     else:
-        # Keys the checkpoint does not know (written before a field was added) are not compared.
+        # Other keys the checkpoint does not know are not compared.
         current = {k: v for k, v in cfg.to_dict().items()
-                   if k not in RUN_LOCAL_FIELDS and k in saved["config"]}
+                   if k not in RUN_LOCAL_FIELDS and k in config}
         try:
-            ckpt.verify_compatible({k: saved["config"][k] for k in current}, current,
+            ckpt.verify_compatible({k: config[k] for k in current}, current,
                                    what="configuration")
         except ckpt.CheckpointError as e:
             raise ckpt.CheckpointError(
@@ -324,11 +329,22 @@ def _claim(cfg: TrainConfig, run_dir: Path, how: str, own: bool) -> list[Path]:
         f"--resume {run_dir}, or start anew there with --overwrite (removes those files only)")
 
 
+def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """A run's saved ``config.toml`` (then ``overrides``): a field it lacks, written before the
+    field existed, has its old value (:data:`~.tasks.LEGACY_RUN_VALUES`), not today's default."""
+    try:
+        saved = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        saved = {}  # load_config names what is wrong with the file
+    old = {k: v for k, v in LEGACY_RUN_VALUES.items() if k not in saved}
+    return load_config(path, {**old, **(overrides or {})})
+
+
 def _same_configuration(cfg: TrainConfig, run_dir: Path) -> bool:
     """Whether ``run_dir/config.toml`` is ``cfg`` up to :data:`RUN_LOCAL_FIELDS`."""
 
     try:
-        saved = load_config(run_dir / "config.toml").to_dict()
+        saved = load_run_config(run_dir / "config.toml").to_dict()
     except ConfigError:
         return False
     current = cfg.to_dict()

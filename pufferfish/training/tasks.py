@@ -3,7 +3,12 @@ here; the decoder LM on packed BPE sequences in :mod:`.packed_lm`).
 
 A task owns its data, its model and how to compute a loss and evaluate; the loop owns everything
 else. Evaluation is sharded over ranks without dropping examples and its sums are reduced, so the
-reported accuracy or perplexity is exactly that of the whole test set.
+reported accuracy or perplexity is exactly that of the whole split.
+
+Image runs hold ``--val-subset`` training images out as a validation split (``val_acc``,
+``val_loss`` every epoch): what choices (the switch point, the learning rate, a variant) are made
+on. The test split is evaluated every epoch too (``test_acc``, ``test_loss``), for the accuracy
+curves and the reported figures, not for choosing.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ from ..config import TrainConfig
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 
-__all__ = ["RUN_FIELDS", "ImageTask", "LanguageTask", "Task", "build_task", "run_fields",
-           "steps_per_epoch"]
+__all__ = ["LEGACY_RUN_VALUES", "RUN_FIELDS", "ImageTask", "LanguageTask", "Task", "build_task",
+           "run_fields", "steps_per_epoch"]
 
 # Configuration fields that define what a task computes (its data, model and batches, and the
 # micro-batches of each optimizer step): a resume with any of them changed is refused (with the
@@ -32,12 +37,21 @@ RUN_FIELDS = ("model", "width", "data", "seed", "train_subset", "batch_size", "g
 # llama's packed sequences and its BPE vocabulary: a resume with another would feed the saved
 # model other tokens (or fail on the embedding's shape deep in load_state_dict).
 PACKED_LM_FIELDS = ("seq_len", "vocab_size")
+# The image runs' validation split (held out of the training images): another one trains on
+# other images.
+IMAGE_FIELDS = ("val_subset",)
+# What a run field was in runs written before it existed (their config.toml and checkpoints lack
+# it): no validation split, every training image trained on.
+LEGACY_RUN_VALUES = {"val_subset": 0}
 
 
 def run_fields(cfg: TrainConfig) -> tuple[str, ...]:
-    """The fields a resume of ``cfg``'s task may not change: :data:`RUN_FIELDS`, and for llama
-    :data:`PACKED_LM_FIELDS` (other models ignore them, so older runs' configs need not have them)."""
-    return RUN_FIELDS + (PACKED_LM_FIELDS if cfg.model == "llama" else ())
+    """The fields a resume of ``cfg``'s task may not change: :data:`RUN_FIELDS`, for llama
+    :data:`PACKED_LM_FIELDS` and for images :data:`IMAGE_FIELDS` (the other tasks ignore them,
+    so their older runs' configs need not have them)."""
+    if cfg.model == "llama":
+        return RUN_FIELDS + PACKED_LM_FIELDS
+    return RUN_FIELDS + (() if cfg.is_lm else IMAGE_FIELDS)
 
 
 def steps_per_epoch(cfg: TrainConfig, task: Task) -> int:
@@ -82,12 +96,14 @@ def build_task(cfg: TrainConfig, env: DistEnv) -> Task:
     return LanguageTask(cfg, env) if cfg.is_lm else ImageTask(cfg, env)
 
 
-def check_subsets(cfg: TrainConfig, n_train: int, n_test: int, unit: str) -> None:
-    """``train_subset``/``test_subset`` within the data (``DataError`` naming the key)."""
+def check_subsets(cfg: TrainConfig, n_train: int, n_test: int, unit: str, held: int = 0) -> None:
+    """``train_subset``/``test_subset`` within the data (``DataError`` naming the key); ``held``:
+    training examples held out for validation, which ``train_subset`` cannot take."""
     for name, n, split in (("train_subset", n_train, "training"), ("test_subset", n_test, "test")):
         if getattr(cfg, name) > n:
+            less = f" less the {held} of val_subset" if held and name == "train_subset" else ""
             raise datasets.DataError(f"{name} {getattr(cfg, name)} is invalid: allowed 0 (all) to "
-                                     f"{n} (the {split} {unit} of {cfg.data})")
+                                     f"{n} (the {split} {unit} of {cfg.data}{less})")
 
 
 class ImageTask:
@@ -97,16 +113,16 @@ class ImageTask:
                                      "fashion-mnist or cifar10")
         ds = datasets.load_dataset(cfg.data, cfg.data_dir or None)
         assert isinstance(ds, datasets.ImageDataset)
+        ds = ds.hold_out(cfg.val_subset)  # the same images on every rank, for every seed
         self.ds, self.cfg = ds, cfg
-        check_subsets(cfg, len(ds.train_labels), len(ds.test_labels), "images")
+        check_subsets(cfg, len(ds.train_labels), len(ds.test_labels), "images", cfg.val_subset)
         self.train_loader = ds.loader("train", cfg.batch_size, seed=cfg.seed, rank=env.rank,
                                       world_size=env.world_size, subset=cfg.train_subset or None,
                                       drop_last=True, device=env.device)
-        n_test = cfg.test_subset or len(ds.test_labels)
-        # Every rank takes test examples rank, rank + world, ...: no example dropped or repeated.
-        self.n_test = n_test
-        self.test_images = ds.test_images[:n_test][env.rank::env.world_size]
-        self.test_labels = ds.test_labels[:n_test][env.rank::env.world_size]
+        assert ds.val_images is not None and ds.val_labels is not None
+        self.val = _shard(ds.val_images, ds.val_labels, len(ds.val_labels), env)
+        self.test = _shard(ds.test_images, ds.test_labels,
+                           cfg.test_subset or len(ds.test_labels), env)
         self.model = models.build_at_width(cfg.model, cfg.width, num_classes=ds.num_classes,
                                            in_channels=ds.in_channels,
                                            image_size=ds.image_size[0])
@@ -128,31 +144,51 @@ class ImageTask:
         return F.cross_entropy(model(x), y)
 
     def final_metrics(self, model: nn.Module, env: DistEnv) -> dict[str, float]:
-        """Nothing beyond :meth:`evaluate`: its figures are already the test split's."""
+        """Nothing beyond :meth:`evaluate`: it evaluates the test split every epoch already."""
         return {}
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module, env: DistEnv) -> dict[str, float]:
+        """``val_acc``/``val_loss`` (what choices are made on; absent with ``--val-subset 0``) and
+        ``test_acc``/``test_loss`` (the curves and the reported figures)."""
+        val = self._evaluate_on(model, env, self.val) if self.cfg.val_subset else None
+        test = self._evaluate_on(model, env, self.test)
+        figures = {} if val is None else {"val_acc": val[0], "val_loss": val[1]}
+        return {**figures, "test_acc": test[0], "test_loss": test[1]}
+
+    @torch.no_grad()
+    def _evaluate_on(self, model: nn.Module, env: DistEnv, split: _Shard) -> tuple[float, float]:
+        """Accuracy and mean loss over every rank's shard of ``split``."""
         model.eval()
         device = next(model.parameters()).device
         mean = torch.tensor(self.ds.mean, device=device).view(1, -1, 1, 1)
         std = torch.tensor(self.ds.std, device=device).view(1, -1, 1, 1)
         correct = loss = 0.0
+        images, labels, total = split
         # As many batches on every rank (the last possibly empty): FSDP2 gathers in each forward.
-        rows = -(-self.n_test // env.world_size)
+        rows = -(-total // env.world_size)
         for i in range(0, rows, self.cfg.eval_batch_size):
-            x = self.test_images[i:i + self.cfg.eval_batch_size].to(device).float() / 255
-            y = self.test_labels[i:i + self.cfg.eval_batch_size].to(device)
+            x = images[i:i + self.cfg.eval_batch_size].to(device).float() / 255
+            y = labels[i:i + self.cfg.eval_batch_size].to(device)
             logits = model((x - mean) / std)
             loss += F.cross_entropy(logits, y, reduction="sum").item()
             correct += (logits.argmax(1) == y).sum().item()
         model.train()
-        correct, loss, n = dist_env.all_reduce_sum([correct, loss, len(self.test_labels)], env)
-        return {"test_acc": correct / max(1, n), "test_loss": loss / max(1, n)}
+        correct, loss, n = dist_env.all_reduce_sum([correct, loss, len(labels)], env)
+        return correct / max(1, n), loss / max(1, n)
 
     def example_input(self, device: torch.device) -> torch.Tensor:
         h, w = self.ds.image_size
         return torch.zeros(1, self.ds.in_channels, h, w, device=device)
+
+
+# An evaluation split's examples on this rank (images, labels) and its size over all ranks.
+_Shard = tuple[torch.Tensor, torch.Tensor, int]
+
+
+def _shard(images: torch.Tensor, labels: torch.Tensor, n: int, env: DistEnv) -> _Shard:
+    """The first ``n`` examples, rank ``r`` taking ``r, r + world, ...``: none dropped or
+    repeated."""
+    return images[:n][env.rank::env.world_size], labels[:n][env.rank::env.world_size], n
 
 
 class LanguageTask:
