@@ -38,7 +38,7 @@ def _state_tensors(obj: object) -> list[torch.Tensor]:
 
 def measure(args: argparse.Namespace) -> dict[str, float]:
     """One method's figures, in this process."""
-    from pufferfish.config import load_config
+    from pufferfish.configfile import load_config
     from pufferfish.lowrank import factorize
     from pufferfish.models import build_at_width
     from pufferfish.training.methods import build_method

@@ -24,15 +24,8 @@ from . import factorize, models
 from .baselines.compare import compare
 from .bench.runner import add_arguments as add_bench_arguments
 from .bench.runner import run_from_args
-from .config import (
-    FIELDS,
-    ConfigError,
-    choices,
-    field_description,
-    field_kind,
-    load_config,
-    shipped_configs,
-)
+from .config import ConfigError, choices
+from .configfile import FIELDS, field_description, field_kind, load_config, shipped_configs
 from .data import DataError
 from .formatting import one_line
 from .training.checkpoint import CheckpointError

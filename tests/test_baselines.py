@@ -24,7 +24,8 @@ from pufferfish.baselines.slimming import (
     params_after,
     zero_channels,
 )
-from pufferfish.config import ConfigError, TrainConfig, load_config
+from pufferfish.config import ConfigError, TrainConfig
+from pufferfish.configfile import load_config
 from pufferfish.training.checkpoint import latest_checkpoint
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")

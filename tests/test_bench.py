@@ -349,7 +349,7 @@ def test_emulated_link_costs_communication_time(loopback: list[dict[str, Any]],
 def test_train_runs_take_the_config_file_and_the_bench_flags_win(tmp_path: Path) -> None:
     from pufferfish.bench.runner import _train_argv
     from pufferfish.cli import FIELDS, _parser
-    from pufferfish.config import load_config
+    from pufferfish.configfile import load_config
 
     toml = tmp_path / "recipe.toml"
     toml.write_text('width = 0.5\nkeep = ["layer1.*"]\nswitch_momentum = "project"\n')

@@ -18,7 +18,7 @@ from pufferfish.bench import accuracy as acc
 from pufferfish.bench import projection as proj
 from pufferfish.bench.rounds import compute_check, round_plan, summarize
 from pufferfish.cli import main
-from pufferfish.config import dump_toml, load_config
+from pufferfish.configfile import dump_toml, load_config
 from pufferfish.training.metrics import MetricsWriter
 
 LINKS = ["loopback", "1gbit", "100mbit"]

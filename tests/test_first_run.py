@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from test_training import TINY, metrics, needs_fashion, run_cli
 
-from pufferfish.config import ConfigError, TrainConfig, load_config
+from pufferfish.config import ConfigError, TrainConfig
+from pufferfish.configfile import load_config
 
 
 @pytest.mark.parametrize(("epochs", "pct", "switch"), [

@@ -29,7 +29,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from pufferfish.cli import main
-from pufferfish.config import ConfigError, load_config
+from pufferfish.config import ConfigError
+from pufferfish.configfile import load_config
 from pufferfish.distributed.hooks import register_comm_hook
 from pufferfish.training.checkpoint import latest_checkpoint
 from pufferfish.training.step import Replica, micro_batch_groups, train_step

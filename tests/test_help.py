@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import pytest
 
 from pufferfish.cli import _HelpFormatter, _parser
-from pufferfish.config import FIELDS, TrainConfig, field_description
+from pufferfish.config import TrainConfig
+from pufferfish.configfile import FIELDS, field_description
 from pufferfish.fieldhelp import field_help
 
 

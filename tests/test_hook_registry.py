@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pufferfish.bench.projection import ALLGATHER_METHODS
 from pufferfish.bench.runner import BenchConfig
 from pufferfish.bench.step import BENCH_METHODS as METHODS
-from pufferfish.config import FIELDS, ConfigError, TrainConfig, field_kind, load_config
+from pufferfish.config import ConfigError, TrainConfig
+from pufferfish.configfile import FIELDS, field_kind, load_config
 from pufferfish.distributed.env import cleanup, exit_process
 from pufferfish.distributed.hooks import (
     HOOK_NAMES,

@@ -12,7 +12,8 @@ from torch import nn
 
 import pufferfish as pf
 from pufferfish import config as config_module
-from pufferfish.config import TrainConfig, load_config
+from pufferfish.config import TrainConfig
+from pufferfish.configfile import load_config
 from pufferfish.models import build_at_width
 from pufferfish.switch import projected_state
 from pufferfish.training.checkpoint import latest_checkpoint

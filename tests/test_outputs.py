@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pufferfish.cli import main
-from pufferfish.config import dump_toml, load_config
+from pufferfish.configfile import dump_toml, load_config
 from pufferfish.outputs import RECORD, claim_outputs, owners
 from pufferfish.training.metrics import MetricsWriter
 

@@ -82,7 +82,7 @@ def test_installed_in_a_clean_virtualenv_it_runs_from_anywhere(wheel: Path,
     assert train.returncode == 0, train.stderr[-2000:]
     assert len(metrics(work / "run")) == 1
     # the repository's path works too, from anywhere (the README's commands as written)
-    found = run(str(venv / "bin" / "python"), "-c", "from pufferfish.config import config_path; "
+    found = run(str(venv / "bin" / "python"), "-c", "from pufferfish.configfile import config_path; "
                 "print(config_path('configs/resnet18_fashion.toml'))")
     assert found.stdout.strip() == str(site / "pufferfish/configs/resnet18_fashion.toml")
     bad = run(str(venv / "bin" / "pufferfish"), "train", "--config", "resnet19")

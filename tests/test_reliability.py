@@ -26,7 +26,8 @@ import torch
 from test_training import free_port, metrics, needs_fashion, run_cli, tiny_lm_args
 
 from pufferfish.cli import main
-from pufferfish.config import TrainConfig, dump_toml
+from pufferfish.config import TrainConfig
+from pufferfish.configfile import dump_toml
 from pufferfish.training import checkpoint as ck
 from pufferfish.training.checkpoint import latest_checkpoint, save_checkpoint
 

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import pufferfish as pf
-from pufferfish.config import load_config
+from pufferfish.configfile import load_config
 from pufferfish.distributed.env import cleanup, exit_process
 from pufferfish.training.checkpoint import latest_checkpoint
 
@@ -380,7 +380,8 @@ def test_the_validation_split_is_the_same_for_every_seed_mode_and_rank() -> None
 def test_resume_with_another_validation_split_is_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from pufferfish.cli import main
-    from pufferfish.config import TrainConfig, dump_toml
+    from pufferfish.config import TrainConfig
+    from pufferfish.configfile import dump_toml
     from pufferfish.training.checkpoint import save_checkpoint
     from pufferfish.training.startup import load_run_config
 

@@ -42,7 +42,8 @@ from torch.nn.utils import prune
 
 from .. import data as datasets
 from .. import models
-from ..config import ConfigError, TrainConfig, dump_toml
+from ..config import ConfigError, TrainConfig
+from ..configfile import dump_toml
 from ..formatting import markdown_table
 from ..lowrank import factorize
 from ..lowrank.counting import count_params

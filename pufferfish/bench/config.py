@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import FIELDS, ConfigError, load_config
+from ..config import ConfigError
+from ..configfile import FIELDS, load_config
 from ..data import DEFAULT_FASHION_DIR
 from ..distributed.buckets import parse_bucket_mb
 from ..distributed.hooks import with_option_fields

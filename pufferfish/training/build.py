@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..config import ConfigError, TrainConfig, dump_toml
+from ..config import ConfigError, TrainConfig
+from ..configfile import dump_toml
 from ..distributed import env as dist_env
 from ..distributed import fsdp, replicas
 from ..distributed.buckets import BucketTuner

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError, TrainConfig, load_config
+from ..config import ConfigError, TrainConfig
+from ..configfile import load_config
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 from . import checkpoint as ckpt
