@@ -34,6 +34,7 @@ from .config import (
     shipped_configs,
 )
 from .data import DataError
+from .distributed.env import idle_cpus
 from .formatting import one_line
 from .training.checkpoint import CheckpointError
 from .training.loop import PeerError, TrainingError, train
@@ -179,6 +180,8 @@ def _parser() -> argparse.ArgumentParser:
     fact.add_argument("--num-classes", type=int, default=10, help="outputs of the image models")
     fact.add_argument("--vocab-size", type=int, default=33278,
                       help="vocabulary of the language models")
+    fact.add_argument("--threads", type=int, default=0,
+                      help="torch threads (0: the CPUs other processes leave idle, at least 1)")
     fact.add_argument("--debug", action="store_true", help="show tracebacks")
     fact.set_defaults(run=_cmd_factorize)
 
@@ -293,6 +296,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_factorize(args: argparse.Namespace) -> int:
+    for flag in ("width", "rank_ratio", "image_size", "in_channels", "num_classes", "vocab_size"):
+        if not getattr(args, flag) > 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: "
+                              "allowed > 0")
+    if args.threads < 0:
+        raise ConfigError(f"--threads {args.threads} is invalid: allowed >= 1, or 0 (the idle "
+                          "CPUs)")
+    torch.set_num_threads(args.threads or idle_cpus())
     for name in args.model:
         model = models.build_at_width(name, args.width, num_classes=args.num_classes,
                                       in_channels=args.in_channels, image_size=args.image_size,
