@@ -131,7 +131,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _fail(one_line(e), EXIT_FAILURE)
         if not _is_user_error(e):
             raise
-        return _fail(one_line(e), EXIT_USAGE)
+        return _fail(_as_typed(one_line(e), args), EXIT_USAGE)
+
+
+def _as_typed(message: str, args: argparse.Namespace) -> str:
+    """``message`` with the options the user gave as flags named as typed: ``--rank-ratio 2``.
+
+    Library errors name an option by its config key (``rank_ratio 2 is out of range``), which is
+    right for a TOML file but not for a flag. The one translation, here: a key given as a flag
+    becomes the flag (a switch's ``overwrite true`` / ``false``: ``--overwrite`` /
+    ``--no-overwrite``); a one-word key (``model``, ``epochs``) only where a value follows it.
+    """
+    if args.command not in ("train", "compare"):  # the commands with a flag per config key
+        return message
+    given = [k for k in FIELDS if getattr(args, k, None) is not None]
+    for key in sorted(given, key=len, reverse=True):
+        flag = "--" + key.replace("_", "-")
+        edge = r"(?<![\w\-/.])" + key
+        if field_kind(key) is bool:
+            message = re.sub(edge + r" true\b", flag, message)
+            message = re.sub(edge + r" false\b", "--no-" + flag[2:], message)
+        follows = r"(?!\w)" if "_" in key else r"(?= ['\"\d\-\[(])"
+        message = re.sub(edge + follows, flag, message)
+    return message
 
 
 def _is_user_error(e: Exception) -> bool:

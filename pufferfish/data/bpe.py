@@ -29,6 +29,7 @@ import torch
 from ..formatting import one_line
 from .errors import DataError
 from .text import load_kjv, load_text_file, split_lines
+from .validate import missing_file
 
 __all__ = ["EOT", "MIN_VOCAB", "BPECorpus", "corpus_lines", "default_cache_dir", "load_bpe_corpus"]
 
@@ -57,7 +58,7 @@ def corpus_lines(name: str) -> tuple[list[str], str]:
     path = Path(name).expanduser()
     if path.is_file():
         return load_text_file(path), path.stem
-    raise DataError(f"data {name!r} is no text corpus: allowed kjv or a path to a UTF-8 text file")
+    raise missing_file(name, "kjv or an existing UTF-8 text file") or DataError(f"data {name!r} is no text corpus: allowed kjv or a path to a UTF-8 text file")
 
 
 def default_cache_dir(name: str) -> Path:

@@ -29,6 +29,7 @@ from ..data.packed import windows
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 from ..formatting import one_line
+from .tasks import check_subsets
 
 __all__ = ["PackedLMTask"]
 
@@ -37,6 +38,7 @@ class PackedLMTask:
     def __init__(self, cfg: TrainConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
         self.corpus = _load_on_rank0_first(cfg, env)
+        check_subsets(cfg, len(self.corpus.train), len(self.corpus.valid), "tokens", "validation")
         train = self.corpus.train[:cfg.train_subset] if cfg.train_subset else self.corpus.train
         valid = self.corpus.valid[:cfg.test_subset] if cfg.test_subset else self.corpus.valid
         self.train_loader = datasets.PackedLoader(train, cfg.seq_len, cfg.batch_size,

@@ -67,9 +67,11 @@ def build_task(cfg: TrainConfig, env: DistEnv) -> Task:
     return LanguageTask(cfg, env) if cfg.is_lm else ImageTask(cfg, env)
 
 
-def check_subsets(cfg: TrainConfig, n_train: int, n_test: int, unit: str) -> None:
+def check_subsets(cfg: TrainConfig, n_train: int, n_test: int, unit: str,
+                  test_split: str = "test") -> None:
     """``train_subset``/``test_subset`` within the data (``DataError`` naming the key)."""
-    for name, n, split in (("train_subset", n_train, "training"), ("test_subset", n_test, "test")):
+    for name, n, split in (("train_subset", n_train, "training"), ("test_subset", n_test,
+                                                                     test_split)):
         if getattr(cfg, name) > n:
             raise datasets.DataError(f"{name} {getattr(cfg, name)} is invalid: allowed 0 (all) to "
                                      f"{n} (the {split} {unit} of {cfg.data})")
@@ -77,6 +79,10 @@ def check_subsets(cfg: TrainConfig, n_train: int, n_test: int, unit: str) -> Non
 
 class ImageTask:
     def __init__(self, cfg: TrainConfig, env: DistEnv) -> None:
+        missing = datasets.missing_file(
+            cfg.data, f"fashion-mnist or cifar10 (model {cfg.model!r} reads images)")
+        if missing:
+            raise missing
         if cfg.data in ("kjv",) or cfg.data.endswith(".txt"):
             raise datasets.DataError(f"data {cfg.data!r} is text: model {cfg.model!r} needs "
                                      "fashion-mnist or cifar10")
