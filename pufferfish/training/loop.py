@@ -225,7 +225,7 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
     stats = _comm_stats(run)
     if stats is not None:
         stats.reset()
-    bar = _progress_bar(cfg, env, progress, steps)
+    bar = _progress_bar(cfg, env, progress, steps, method.total_epochs(cfg))
     run.meter.start()
     for i, batch in enumerate(loader):
         if i < progress.step_in_epoch:  # resuming mid-epoch: these steps were taken before
@@ -364,9 +364,12 @@ def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
     return row
 
 
-def _progress_bar(cfg: TrainConfig, env: DistEnv, progress: Progress, steps: int) -> Any:
+def _progress_bar(cfg: TrainConfig, env: DistEnv, progress: Progress, steps: int,
+                  epochs: int) -> Any:
+    """The bar of one epoch, ``epoch N/M`` of the whole run (LTH: every round's epochs), as the
+    line after each epoch says."""
     return tqdm(total=steps, initial=progress.step_in_epoch,
-                desc=f"epoch {progress.epoch + 1}/{cfg.epochs}",
+                desc=f"epoch {progress.epoch + 1}/{epochs}",
                 disable=not (env.is_main and cfg.progress), leave=False, mininterval=1.0)
 
 
