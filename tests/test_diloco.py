@@ -196,7 +196,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path,
     cases = [
         (["--inner-steps", "0"], "--inner-steps 0 is invalid: allowed an integer >= 1"),
         (["--sync", "diloco", "--comm", "powersgd"],
-         "comm 'powersgd' is invalid with sync 'diloco'"),
+         "comm 'powersgd' is invalid with --sync 'diloco'"),
         (["--sync", "local"], "sync 'local' is invalid: allowed ddp, diloco"),
         (["--outer-lr", "0"], "--outer-lr 0.0 is invalid"),
         (["--outer-momentum", "1"], "--outer-momentum 1.0 is invalid"),

@@ -60,7 +60,7 @@ def test_units_are_the_blocks_of_any_container() -> None:
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--parallel", "fsdp", "--comm", "powersgd"], "comm 'powersgd' is invalid with parallel "
+    (["--parallel", "fsdp", "--comm", "powersgd"], "comm 'powersgd' is invalid with --parallel "
                                                    "'fsdp'"),
     (["--parallel", "fsdp"], "parallel 'fsdp' is invalid without a process group"),
     (["--parallel", "zero"], "parallel 'zero' is invalid: allowed ddp, fsdp"),
