@@ -50,6 +50,13 @@ def check_dir(data_dir: str | os.PathLike[str], what: str, hint: str) -> Path:
     return path
 
 
+def check_subset(key: str, value: int, size: int, what: str) -> None:
+    """``train_subset``/``test_subset`` ``value`` within the ``size`` examples or tokens there
+    are (``what``: "the training tokens of kjv"): else a ``DataError`` naming the key."""
+    if value > size:
+        raise DataError(f"{key} {value} is invalid: allowed 0 (all) to {size} ({what})")
+
+
 def missing_file(name: str, allowed: str) -> DataError | None:
     """The error for a ``data`` name that is a path (a folder in it, or a suffix) to no file;
     ``allowed`` says what the caller takes there."""

@@ -19,6 +19,7 @@ from torch import nn
 from .. import data as datasets
 from .. import models
 from ..config import TrainConfig
+from ..data.validate import check_subset
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 
@@ -67,14 +68,10 @@ def build_task(cfg: TrainConfig, env: DistEnv) -> Task:
     return LanguageTask(cfg, env) if cfg.is_lm else ImageTask(cfg, env)
 
 
-def check_subsets(cfg: TrainConfig, n_train: int, n_test: int, unit: str,
-                  test_split: str = "test") -> None:
+def check_subsets(cfg: TrainConfig, n_train: int, n_test: int, unit: str) -> None:
     """``train_subset``/``test_subset`` within the data (``DataError`` naming the key)."""
-    for name, n, split in (("train_subset", n_train, "training"), ("test_subset", n_test,
-                                                                     test_split)):
-        if getattr(cfg, name) > n:
-            raise datasets.DataError(f"{name} {getattr(cfg, name)} is invalid: allowed 0 (all) to "
-                                     f"{n} (the {split} {unit} of {cfg.data})")
+    for key, n, split in (("train_subset", n_train, "training"), ("test_subset", n_test, "test")):
+        check_subset(key, getattr(cfg, key), n, f"the {split} {unit} of {cfg.data}")
 
 
 class ImageTask:
