@@ -27,6 +27,7 @@ from .bench.runner import run_from_args
 from .config import ConfigError, choices
 from .configfile import FIELDS, field_description, field_kind, load_config, shipped_configs
 from .data import DataError
+from .distributed.env import idle_cpus
 from .formatting import one_line
 from .training.checkpoint import CheckpointError
 from .training.loop import PeerError, TrainingError, train
@@ -124,7 +125,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _fail(one_line(e), EXIT_FAILURE)
         if not _is_user_error(e):
             raise
-        return _fail(one_line(e), EXIT_USAGE)
+        return _fail(_as_typed(one_line(e), args), EXIT_USAGE)
+
+
+def _as_typed(message: str, args: argparse.Namespace) -> str:
+    """``message`` with the options the user gave as flags named as typed: ``--rank-ratio 2``.
+
+    Library errors name an option by its config key (``rank_ratio 2 is out of range``), which is
+    right for a TOML file but not for a flag. The one translation, here: a key given as a flag
+    becomes the flag (a switch's ``overwrite true`` / ``false``: ``--overwrite`` /
+    ``--no-overwrite``); a one-word key (``model``, ``epochs``) only where a value follows it.
+    """
+    if args.command not in ("train", "compare"):  # the commands with a flag per config key
+        return message
+    given = [k for k in FIELDS if getattr(args, k, None) is not None]
+    for key in sorted(given, key=len, reverse=True):
+        flag = "--" + key.replace("_", "-")
+        edge = r"(?<![\w\-/.])" + key
+        if field_kind(key) is bool:
+            message = re.sub(edge + r" true\b", flag, message)
+            message = re.sub(edge + r" false\b", "--no-" + flag[2:], message)
+        follows = r"(?!\w)" if "_" in key else r"(?= ['\"\d\-\[(])"
+        message = re.sub(edge + follows, flag, message)
+    return message
 
 
 def _is_user_error(e: Exception) -> bool:
@@ -173,6 +196,8 @@ def _parser() -> argparse.ArgumentParser:
     fact.add_argument("--num-classes", type=int, default=10, help="outputs of the image models")
     fact.add_argument("--vocab-size", type=int, default=33278,
                       help="vocabulary of the language models")
+    fact.add_argument("--threads", type=int, default=0,
+                      help="torch threads (0: the CPUs other processes leave idle, at least 1)")
     fact.add_argument("--debug", action="store_true", help="show tracebacks")
     fact.set_defaults(run=_cmd_factorize)
 
@@ -287,6 +312,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_factorize(args: argparse.Namespace) -> int:
+    for flag in ("width", "rank_ratio", "image_size", "in_channels", "num_classes", "vocab_size"):
+        if not getattr(args, flag) > 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: "
+                              "allowed > 0")
+    if args.threads < 0:
+        raise ConfigError(f"--threads {args.threads} is invalid: allowed >= 1, or 0 (the idle "
+                          "CPUs)")
+    torch.set_num_threads(args.threads or idle_cpus())
     for name in args.model:
         model = models.build_at_width(name, args.width, num_classes=args.num_classes,
                                       in_channels=args.in_channels, image_size=args.image_size,

@@ -379,13 +379,21 @@ class TrainConfig:
             return self.optimizer
         return MODEL_DEFAULTS.get(self.model, {}).get("optimizer", "sgd")
 
+    @property
+    def warmup_share_in_steps(self) -> float:
+        """``P%`` of a 1-epoch run, which no whole epoch matches: the switch is before that share
+        of its optimizer steps instead of at the start (0.0: a switch in epochs, or no share)."""
+        if self.epochs == 1 and self.warmup_epochs.endswith("%") and not self.warmup_steps:
+            return float(self.warmup_epochs[:-1]) / 100
+        return 0.0
+
     def switch_step(self, total_steps: int) -> int | None:
-        """The optimizer step before which the switch happens (``warmup_steps``), or None."""
-        if not self.warmup_steps:
+        """The optimizer step before which the switch happens (``warmup_steps``, or
+        :attr:`warmup_share_in_steps`), or None."""
+        w = self.warmup_steps or self.warmup_share_in_steps
+        if not w:
             return None
-        if self.warmup_steps < 1:
-            return round(self.warmup_steps * total_steps)
-        return int(self.warmup_steps)
+        return round(w * total_steps) if w < 1 else int(w)
 
     @property
     def ratio(self) -> float | str:

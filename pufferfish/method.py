@@ -64,8 +64,9 @@ class PufferfishMethod(FullRankMethod):
 
     @property
     def in_steps(self) -> bool:
-        """Whether the switch point is in optimizer steps (``warmup_steps``), not epochs."""
-        return self.cfg.mode == "pufferfish" and self.cfg.warmup_steps > 0
+        """Whether the switch point is in optimizer steps (``warmup_steps``, or a share warm-up of
+        a 1-epoch run), not epochs."""
+        return self.cfg.mode == "pufferfish" and self.cfg.switch_step(1) is not None
 
     def on_epoch_start(self, epoch: int, model: nn.Module) -> Change | None:
         if self.in_steps or not self.switch.due(epoch, model):

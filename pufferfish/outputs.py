@@ -2,19 +2,23 @@
 
 Nothing the user made is overwritten unasked: before a command writes into ``--out`` it claims
 the names it may write. A name that exists there and was not written by the same command (another
-command's ``report.md``, the user's own file) stops it with one line, unless ``overwrite``. The
-record is ``.pufferfish-outputs.json`` in the directory: ``{name: command}``. Running the same
-command again into its own directory replaces its own outputs, as a report refreshes.
+command's ``report.md``, the user's own file), or that was changed since that command wrote it (a
+``report.md`` the user edited), stops it with one line, unless ``overwrite``. The record is
+``.pufferfish-outputs.json`` in the directory: ``{name: {"by": command, "sha256": digest}}``
+(the digest once :func:`seal_outputs` has seen the file written; older records: ``{name:
+command}``). Running the same command again into its own directory replaces its own unchanged
+outputs, as a report refreshes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["OutputsError", "claim_outputs", "owners"]
+__all__ = ["OutputsError", "claim_outputs", "owners", "seal_outputs"]
 
 RECORD = ".pufferfish-outputs.json"
 
@@ -23,13 +27,45 @@ class OutputsError(ValueError):
     """An output would replace a file this command did not write; the message is one line."""
 
 
-def owners(out_dir: str | Path) -> dict[str, str]:
-    """``{name: command}`` of the directory's record (empty when it has none)."""
+def _record(out_dir: Path) -> dict[str, dict[str, str]]:
+    """The directory's record as ``{name: {"by": command[, "sha256": digest]}}`` (empty if none)."""
     try:
-        record = json.loads((Path(out_dir) / RECORD).read_text())
+        record = json.loads((out_dir / RECORD).read_text())
     except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
         return {}
-    return {str(k): str(v) for k, v in record.items()} if isinstance(record, dict) else {}
+    if not isinstance(record, dict):
+        return {}
+    return {str(k): ({"by": str(v["by"]), **({"sha256": str(v["sha256"])} if "sha256" in v
+                                            else {})}
+                     if isinstance(v, dict) and "by" in v else {"by": str(v)})
+            for k, v in record.items()}
+
+
+def _write_record(out_dir: Path, record: dict[str, dict[str, str]]) -> None:
+    tmp = out_dir / f"{RECORD}.tmp"
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, out_dir / RECORD)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def owners(out_dir: str | Path) -> dict[str, str]:
+    """``{name: command}`` of the directory's record (empty when it has none)."""
+    return {name: entry["by"] for name, entry in _record(Path(out_dir)).items()}
+
+
+def _why_taken(out: Path, name: str, entry: dict[str, str] | None, command: str) -> str | None:
+    """Why ``command`` may not replace ``out/name``: who wrote it, or that it changed since."""
+    path = out / name
+    if not path.exists():
+        return None
+    if entry is None or entry["by"] != command:
+        return f"{name} (written by {entry['by'] if entry else 'unknown'})"
+    if "sha256" in entry and path.is_file() and _digest(path) != entry["sha256"]:
+        return f"{name} (written by {command}, changed since)"
+    return None
 
 
 def claim_outputs(out_dir: str | Path, command: str, names: Iterable[str],
@@ -37,21 +73,30 @@ def claim_outputs(out_dir: str | Path, command: str, names: Iterable[str],
     """Claim ``names`` (files or folders, relative to ``out_dir``) for ``command``.
 
     Refuses (``OutputsError``) when one exists and the record does not say ``command`` wrote it,
-    unless ``overwrite``; else creates ``out_dir`` and records the names as ``command``'s.
+    or it changed since (its digest), unless ``overwrite``; else creates ``out_dir`` and records
+    the names as ``command``'s (their digests once :func:`seal_outputs` sees them written).
     """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise OutputsError(f"--out {str(out)!r} is a file: allowed a directory")
     names = list(names)
-    record = owners(out)
-    taken = [n for n in names if (out / n).exists() and record.get(n) != command]
+    record = _record(out)
+    taken = [why for n in names if (why := _why_taken(out, n, record.get(n), command))]
     if taken and not overwrite:
-        by = {record.get(n, "unknown") for n in taken}
         raise OutputsError(
-            f"{str(out)!r} already holds {', '.join(taken)} (written by {', '.join(sorted(by))}),"
-            f" which `pufferfish {command}` would replace: allowed another --out, or --overwrite")
+            f"{str(out)!r} already holds {', '.join(taken)}, which `pufferfish {command}` would "
+            "replace: allowed another --out, or --overwrite")
     out.mkdir(parents=True, exist_ok=True)
-    record.update(dict.fromkeys(names, command))
-    tmp = out / f"{RECORD}.tmp"
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, out / RECORD)
+    record.update({n: {"by": command} for n in names})
+    _write_record(out, record)
+
+
+def seal_outputs(out_dir: str | Path, command: str, names: Iterable[str]) -> None:
+    """Record the digests of ``command``'s files ``names`` just written in ``out_dir``: a later
+    change to one (the user's edit) makes the next claim refuse to replace it."""
+    out = Path(out_dir)
+    record = _record(out)
+    for name in names:
+        if (out / name).is_file():
+            record[name] = {"by": command, "sha256": _digest(out / name)}
+    _write_record(out, record)

@@ -219,15 +219,15 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     base = ["train", "--out", str(tmp_path / "never")]
     cases = [
-        (["--inner-steps", "0"], "inner_steps 0 is invalid: allowed an integer >= 1"),
+        (["--inner-steps", "0"], "--inner-steps 0 is invalid: allowed an integer >= 1"),
         (["--sync", "diloco", "--comm", "powersgd"],
-         "comm 'powersgd' is invalid with sync 'diloco'"),
+         "comm 'powersgd' is invalid with --sync 'diloco'"),
         (["--sync", "local"], "sync 'local' is invalid: allowed ddp, diloco"),
-        (["--outer-lr", "0"], "outer_lr 0.0 is invalid"),
-        (["--outer-momentum", "1"], "outer_momentum 1.0 is invalid"),
-        (["--outer-switch-momentum", "keep"], "outer_switch_momentum 'keep' is invalid"),
+        (["--outer-lr", "0"], "--outer-lr 0.0 is invalid"),
+        (["--outer-momentum", "1"], "--outer-momentum 1.0 is invalid"),
+        (["--outer-switch-momentum", "keep"], "--outer-switch-momentum 'keep' is invalid"),
         (["--sync", "diloco", "--inner-steps", "4", "--checkpoint-every-steps", "6"],
-         "checkpoint_every_steps 6 is invalid with sync 'diloco' and inner_steps 4"),
+         "--checkpoint-every-steps 6 is invalid with --sync 'diloco' and --inner-steps 4"),
         (["--sync", "diloco", "--model", "resnet18", "--width", "0.125", "--train-subset", "64"],
          "sync 'diloco' is invalid without a process group"),
     ]

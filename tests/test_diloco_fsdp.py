@@ -161,10 +161,10 @@ def test_the_grid_and_its_refusals() -> None:
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--shard-size", "2"], "shard_size 2 is invalid without parallel 'fsdp' and sync 'diloco'"),
-    (["--shard-size", "-1"], "shard_size -1 is invalid: allowed an integer >= 0"),
+    (["--shard-size", "2"], "--shard-size 2 is invalid without parallel 'fsdp' and sync 'diloco'"),
+    (["--shard-size", "-1"], "--shard-size -1 is invalid: allowed an integer >= 0"),
     (["--parallel", "fsdp", "--sync", "diloco", "--outer-switch-momentum", "project"],
-     "outer_switch_momentum 'project' is invalid with parallel 'fsdp'"),
+     "--outer-switch-momentum 'project' is invalid with --parallel 'fsdp'"),
 ])
 def test_bad_settings_are_one_line_and_exit_2(argv: list[str], message: str, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:

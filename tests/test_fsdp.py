@@ -63,11 +63,11 @@ def test_units_are_the_blocks_of_any_container() -> None:
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--parallel", "fsdp", "--comm", "powersgd"], "comm 'powersgd' is invalid with parallel "
+    (["--parallel", "fsdp", "--comm", "powersgd"], "comm 'powersgd' is invalid with --parallel "
                                                    "'fsdp'"),
     (["--parallel", "fsdp"], "parallel 'fsdp' is invalid without a process group"),
     (["--parallel", "zero"], "parallel 'zero' is invalid: allowed ddp, fsdp"),
-    (["--parallel", "fsdp", "--rank-ratio", "auto"], "rank_ratio 'auto' is invalid with parallel"),
+    (["--parallel", "fsdp", "--rank-ratio", "auto"], "--rank-ratio 'auto' is invalid with --parallel"),
 ])
 def test_refusals_are_one_line_and_exit_2(argv: list[str], message: str, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:

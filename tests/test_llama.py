@@ -187,10 +187,10 @@ def test_two_process_llama_switches_and_reports_validation_perplexity(tmp_path: 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--width", "0.01"], "width 0.01 is too small for llama: allowed >= 0.0625"),
-    (["--seq-len", "5000"], "seq_len 5000 is out of range for llama: allowed 1 to 4096"),
+    (["--seq-len", "5000"], "--seq-len 5000 is out of range for llama: allowed 1 to 4096"),
     (["--seq-len", "2000"], "sequences of 2000 tokens are too few for a batch of 4"),
-    (["--vocab-size", "5000"], "vocab_size 5000 is larger than the corpus allows"),
-    (["--vocab-size", "100"], "vocab_size 100 is too small for a byte-level BPE"),
+    (["--vocab-size", "5000"], "--vocab-size 5000 is larger than the corpus allows"),
+    (["--vocab-size", "100"], "--vocab-size 100 is too small for a byte-level BPE"),
     (["--data", "fashion-mnist"], "data 'fashion-mnist' is no text corpus: allowed kjv"),
 ])
 def test_bad_llama_input_exits_2_with_one_line(tmp_path: Path, args: list[str],

@@ -80,11 +80,11 @@ def test_optimizer_defaults_by_model(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("args,message", [
     (["--optimizer", "lamb"], "optimizer 'lamb' is invalid: allowed auto, sgd, adamw"),
-    (["--warmup-steps", "2.5"], "warmup_steps 2.5 is invalid"),
-    (["--warmup-steps", "-1"], "warmup_steps -1.0 is invalid"),
+    (["--warmup-steps", "2.5"], "--warmup-steps 2.5 is invalid"),
+    (["--warmup-steps", "-1"], "--warmup-steps -1.0 is invalid"),
     (["--warmup-steps", "10", "--warmup-epochs", "auto"],
-     "warmup_steps is invalid with warmup_epochs 'auto'"),
-    (["--adam-betas", "0.9,1.5"], "adam_betas [0.9, 1.5] are invalid"),
+     "--warmup-steps is invalid with --warmup-epochs 'auto'"),
+    (["--adam-betas", "0.9,1.5"], "--adam-betas [0.9, 1.5] are invalid"),
 ])
 def test_bad_optimizer_input_exits_2(args: list[str], message: str) -> None:
     result = run_cli("train", *args)
@@ -97,7 +97,7 @@ def test_warmup_steps_past_the_run_exits_2(tmp_path: Path) -> None:
                                                      "--warmup-steps", "59",
                                                      "--out", str(tmp_path / "run")))
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "warmup_steps 59 is invalid with 59 optimizer steps" in result.stderr
+    assert "--warmup-steps 59 is invalid with 59 optimizer steps" in result.stderr
 
 
 def test_projected_adam_state_follows_the_chain_rule() -> None:

@@ -67,16 +67,19 @@ def _kind(block: str) -> str:
 
 
 def test_the_library_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each block runs as it is, in a namespace of its own: its imports are its own, and only
+    what its comment names as the user's (a trainer's model and data) is given to it."""
     pytest.importorskip("transformers")
     pytest.importorskip("lightning")
     import hf_trainer_run as hf
     import lightning_trainer_run as lt
 
     monkeypatch.chdir(tmp_path)  # where the trainers write their logs
-    namespace: dict[str, Any] = {}
     kinds = [_kind(b) for b in python_blocks()]
     assert {"plain", "hf", "lightning", "accelerate"} <= set(kinds)
+    recipes = []
     for block, kind in zip(python_blocks(), kinds, strict=True):
+        namespace: dict[str, Any] = {}
         if kind == "hf":
             namespace.update(model=hf.tiny_gpt2(), train=hf.Tokens(),
                              args=hf.training_arguments(str(tmp_path / "hf"), num_train_epochs=2))
@@ -87,7 +90,8 @@ def test_the_library_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         exec(compile(block, "README.md", "exec"), namespace)
         if kind == "hf":
             assert namespace["callback"].report is not None  # it switched
-    assert namespace["recipe"].report is not None
+        recipes += [namespace["recipe"]] if "recipe" in namespace else []
+    assert recipes and all(r.report is not None for r in recipes)
 
 
 ACCELERATE_SETUP = """
@@ -96,8 +100,6 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import get_linear_schedule_with_warmup
-
-import pufferfish as pf
 
 sys.path.insert(0, {tests!r})
 from hf_trainer_run import Tokens, tiny_gpt2

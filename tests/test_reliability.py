@@ -326,16 +326,16 @@ def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         # text corpora
         (["train", *tiny, "--model", "lstm", "--data", str(empty)], "empty text corpus"),
         (["train", *tiny, "--model", "lstm", "--data", str(tmp / "none.txt")],
-         "unknown dataset"),
+         "none.txt' does not exist: allowed an existing UTF-8 text file"),
         # run directories
         (["train", "--resume", str(tmp / "not-a-run")], "no config.toml there, not a run"),
         (["train", "--resume", str(started)], f"--resume {started}: no checkpoint in "
          f"{started / 'checkpoints'} to continue from; to start the run anew there use "
          "--overwrite without --resume"),
         (["train", "--resume", str(started), "--overwrite"],
-         "overwrite true is invalid with --resume"),
+         "--overwrite is invalid with --resume"),
         (["train", *tiny, "--resume", "auto", "--overwrite"],
-         "overwrite true is invalid with resume 'auto'"),
+         "--overwrite is invalid with --resume 'auto'"),
     ]
 
 

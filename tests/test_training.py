@@ -266,22 +266,22 @@ def _write_idx(path: Path, magic: int, dims: list[int], payload: bytes) -> None:
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "alexnet"], "model 'alexnet' is invalid: allowed resnet18"),
-    (["--epochs", "2", "--warmup-epochs", "2"], "warmup_epochs 2 is invalid with epochs 2"),
-    (["--rank-ratio", "1.5"], "rank_ratio 1.5 is out of range"),
+    (["--epochs", "2", "--warmup-epochs", "2"], "--warmup-epochs 2 is invalid with --epochs 2"),
+    (["--rank-ratio", "1.5"], "--rank-ratio 1.5 is out of range"),
     (["--data-dir", "/nonexistent/fmnist"], "/nonexistent/fmnist"),
-    (["--batch-size", "zero"], "batch_size 'zero' is invalid"),
+    (["--batch-size", "zero"], "--batch-size 'zero' is invalid"),
     (["--mode", "magic"], "mode 'magic' is invalid"),
     (["--epochs", "4", "--warmup-epochs", "auto", "--max-warmup-epochs", "4"],
-     "max_warmup_epochs 4 are invalid with epochs 4"),
-    (["--rank-ratio", "auto", "--max-rank-ratio", "0"], "max_rank_ratio 0.0 is out of range"),
-    (["--warmup-epochs", "auto", "--switch-window", "0"], "switch_window 0.0 is invalid"),
-    (["--warmup-epochs", "auto", "--switch-threshold", "-1"], "switch_threshold -1.0 is invalid"),
-    (["--stable-rank-every-steps", "-2"], "stable_rank_every_steps -2 is invalid"),
-    (["--train-subset", "100000"], "train_subset 100000 is invalid: allowed 0 (all) to 59936 "
-     "(the training images of fashion-mnist less the 64 of val_subset)"),
-    (["--val-subset", "60000"], "val_subset 60000 is invalid: allowed 0 (none) to 59999"),
-    (["--val-subset", "-5"], "val_subset -5 is invalid: allowed >= 0"),
-    (["--test-subset", "20000"], "test_subset 20000 is invalid: allowed 0 (all) to 10000"),
+     "--max-warmup-epochs 4 are invalid with --epochs 4"),
+    (["--rank-ratio", "auto", "--max-rank-ratio", "0"], "--max-rank-ratio 0.0 is out of range"),
+    (["--warmup-epochs", "auto", "--switch-window", "0"], "--switch-window 0.0 is invalid"),
+    (["--warmup-epochs", "auto", "--switch-threshold", "-1"], "--switch-threshold -1.0 is invalid"),
+    (["--stable-rank-every-steps", "-2"], "--stable-rank-every-steps -2 is invalid"),
+    (["--train-subset", "100000"], "--train-subset 100000 is invalid: allowed 0 (all) to 59936 "
+     "(the training images of fashion-mnist less the 64 of --val-subset)"),
+    (["--val-subset", "60000"], "--val-subset 60000 is invalid: allowed 0 (none) to 59999"),
+    (["--val-subset", "-5"], "--val-subset -5 is invalid: allowed >= 0"),
+    (["--test-subset", "20000"], "--test-subset 20000 is invalid: allowed 0 (all) to 10000"),
     # one process has no all-reduce: the hook would silently do nothing
     (["--comm", "powersgd"], "comm 'powersgd' is invalid without a process group"),
 ])

@@ -47,7 +47,7 @@ from ..configfile import dump_toml
 from ..formatting import markdown_table
 from ..lowrank import factorize
 from ..lowrank.counting import count_params
-from ..outputs import claim_outputs
+from ..outputs import claim_outputs, seal_outputs
 from ..training import checkpoint as ckpt
 from ..training.loop import train
 from ..training.methods import build_method
@@ -235,6 +235,7 @@ def compare(base: TrainConfig, out: str | Path, methods: tuple[str, ...] = COMPA
     _plot(results, out_dir / "tradeoff.png", latency)
 
     compare_runs([cfg.out for _, cfg in runs], str(out_dir), command="compare")
+    seal_outputs(out_dir, "compare", ["compare.md", "compare.json", "tradeoff.png", *logs])
     return table + f"\n\nwritten: {out_dir / 'compare.md'}, {out_dir / 'tradeoff.png'}, " \
                    f"{out_dir / 'report.md'}"
 

@@ -64,7 +64,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..outputs import claim_outputs
+from ..outputs import claim_outputs, seal_outputs
 from ..training.metrics import read_metrics
 from ..training.report import compare_runs
 from . import accuracy as acc
@@ -319,6 +319,7 @@ def _write_outputs(cfg: BenchConfig, result: dict[str, Any], log: Log) -> None:
     if result["time_to_accuracy"]:
         plots += acc.plot(result["time_to_accuracy"], out)
     (out / "results.md").write_text(results_markdown(cfg, result, plots))
+    seal_outputs(out, "bench", BENCH_FILES)
     log(f"written: {out / 'results.json'}, {out / 'results.md'}, {out / 'projection.json'}"
         + "".join(f", {p}" for p in plots))
 
@@ -391,6 +392,7 @@ def run_train(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
     (root / "train_results.json").write_text(
         json.dumps({"runs": summary, "skipped": skipped, "failures": failures}, indent=1))
     (root / "train.md").write_text(train_markdown(cfg, summary, skipped, failures))
+    seal_outputs(root, "bench", TRAIN_FILES)
     log(f"written: {root / 'train_results.json'}, {root / 'train.md'}, "
         f"{root / 'train'}/<bandwidth>/report.md and accuracy.png")
     return {"runs": summary, "skipped": skipped, "failures": failures}

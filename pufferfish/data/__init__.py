@@ -45,6 +45,7 @@ from .text import (
     split_lines,
     tokenize,
 )
+from .validate import missing_file
 
 __all__ = [
     "CIFAR10_CLASSES",
@@ -73,6 +74,7 @@ __all__ = [
     "load_image_dataset",
     "load_kjv",
     "load_text_file",
+    "missing_file",
     "random_crop_flip",
     "read_idx",
     "split_lines",
@@ -109,7 +111,9 @@ def load_dataset(
     path = Path(name).expanduser()
     if path.is_file():
         return Corpus.from_file(path, **split)  # type: ignore[arg-type]
-    raise DataError(
+    raise missing_file(
+        name, f"an existing UTF-8 text file or one of {', '.join(DATASET_NAMES)}") or DataError(
         f"unknown dataset {name!r}; expected one of {', '.join(DATASET_NAMES)} "
         "or a path to an existing UTF-8 text file"
     )
+

@@ -35,6 +35,7 @@ from ..formatting import one_line
 from .errors import DataError
 from .gcide import load_gcide
 from .text import load_kjv, load_text_file, split_lines
+from .validate import missing_file
 
 __all__ = ["BPE_CORPORA", "EOT", "MIN_VOCAB", "BPECorpus", "corpus_lines", "corpus_splits",
            "default_cache_dir", "load_bpe_corpus", "split_documents"]
@@ -72,10 +73,9 @@ def corpus_lines(name: str) -> tuple[list[str], str]:
     path = Path(name).expanduser()
     if path.is_file():
         return load_text_file(path), path.stem
-    looks_like_file = bool(path.suffix) or "/" in name
-    raise DataError(f"data {name!r} " + ("does not exist" if looks_like_file else
-                                          "is no text corpus")
-                    + f": allowed {', '.join(BPE_CORPORA)} or a path to a UTF-8 text file")
+    allowed = f"{', '.join(BPE_CORPORA)} or a path to a UTF-8 text file"
+    raise missing_file(name, allowed) or DataError(f"data {name!r} is no text corpus: allowed "
+                                                   f"{allowed}")
 
 
 def corpus_splits(name: str) -> tuple[tuple[list[str], list[str], list[str]], str, list[str]]:

@@ -66,7 +66,8 @@ def _cifar_dir(data_dir: str | os.PathLike[str]) -> Path:
     if not path.is_dir():
         raise DataError(
             f"{path}: CIFAR-10 directory does not exist; expected {CIFAR10_DIRNAME} with data_batch_1..5 "
-            "and test_batch (fetch with pufferfish.data.download('cifar10', 'data'))"
+            f"and test_batch (fetch it: --download, or pufferfish.data.download('cifar10', "
+            f"{str(data_dir)!r}))"
         )
     return path
 

@@ -62,7 +62,7 @@ def _find_idx(data_dir: Path, stem: str) -> Path:
             return data_dir / name
     raise DataError(
         f"{data_dir / (stem + '.gz')}: missing Fashion-MNIST file; expected {stem}.gz or {stem} "
-        f"(fetch with pufferfish.data.download('fashion-mnist', {str(data_dir)!r}))"
+        f"(fetch it: --download, or pufferfish.data.download('fashion-mnist', {str(data_dir)!r}))"
     )
 
 

@@ -50,6 +50,23 @@ def check_dir(data_dir: str | os.PathLike[str], what: str, hint: str) -> Path:
     return path
 
 
+def check_subset(key: str, value: int, size: int, what: str) -> None:
+    """``train_subset``/``test_subset`` ``value`` within the ``size`` examples or tokens there
+    are (``what``: "the training tokens of kjv"): else a ``DataError`` naming the key."""
+    if value > size:
+        raise DataError(f"{key} {value} is invalid: allowed 0 (all) to {size} ({what})")
+
+
+def missing_file(name: str, allowed: str) -> DataError | None:
+    """The error for a ``data`` name that is a path (a folder in it, or a suffix) to no file;
+    ``allowed`` says what the caller takes there."""
+    path = Path(name).expanduser()
+    if path.is_file() or (len(path.parts) < 2 and not path.suffix):
+        return None
+    what = "is a directory" if path.is_dir() else "does not exist"
+    return DataError(f"data {name!r} {what}: allowed {allowed}")
+
+
 def check_labels(labels: np.ndarray, path: Path, num_classes: int) -> None:
     """Refuse a label outside ``0..num_classes - 1`` (``path``: the file it came from)."""
     if labels.size and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):

@@ -129,6 +129,20 @@ def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]
         dist_env.cleanup(drain=finished)
 
 
+def _say_warmup(cfg: TrainConfig, env: DistEnv) -> None:
+    """What ``--warmup-epochs P%`` comes to in this run, at its start."""
+    if cfg.mode != "pufferfish" or not cfg.warmup_epochs.endswith("%"):
+        return
+    if cfg.warmup_share_in_steps:
+        dist_env.say(env, f"warm-up: {cfg.warmup_epochs} of 1 epoch is no whole epoch: full rank "
+                          f"for the first {cfg.warmup_epochs} of its optimizer steps, then the "
+                          "switch (mid-epoch)")
+        return
+    n, epochs = cfg.switch_epoch, cfg.epochs
+    dist_env.say(env, f"warm-up: {cfg.warmup_epochs} of {epochs} epoch{'s' * (epochs != 1)} = "
+                      f"{n} full-rank epoch{'s' * (n != 1)} before the switch")
+
+
 def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any]]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -142,14 +156,13 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         run_dir = Path(dist_env.broadcast_object(str(run_dir), env))
         cfg = dataclasses.replace(cfg, out=str(run_dir))
         dist_env.say(env, f"run directory: {run_dir} (--out to choose it)")
-    if cfg.mode == "pufferfish" and cfg.warmup_epochs.endswith("%"):
-        dist_env.say(env, f"warm-up: {cfg.warmup_epochs} of {cfg.epochs} epochs = "
-                          f"{cfg.switch_epoch} full-rank epochs before the switch")
     # Before anything is written or loaded: rank 0 decides what happens to the run directory
     # (resume, start, or refuse) and every rank learns it.
     resumed = startup.find_resume_point(cfg, env, run_dir,
                                         (*tasks.run_fields(cfg), *optim.RUN_FIELDS, *method.run_fields,
                                          *SYNC_FIELDS))
+    if resumed is None:  # a resumed run has its switch point already (and may be past it)
+        _say_warmup(cfg, env)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     task = build_task(cfg, env)
     steps = steps_per_epoch(cfg, task)  # optimizer steps; refuses a --grad-accum beyond the data
@@ -240,7 +253,7 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
     stats = _comm_stats(run)
     if stats is not None:
         stats.reset()
-    bar = _progress_bar(cfg, env, progress, steps)
+    bar = _progress_bar(cfg, env, progress, steps, method.total_epochs(cfg))
     run.meter.start()
     for i, batches in enumerate(micro_batch_groups(loader, cfg.grad_accum)):
         if i < progress.step_in_epoch:  # resuming mid-epoch: these steps were taken before
@@ -413,9 +426,12 @@ def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
     return row
 
 
-def _progress_bar(cfg: TrainConfig, env: DistEnv, progress: Progress, steps: int) -> Any:
+def _progress_bar(cfg: TrainConfig, env: DistEnv, progress: Progress, steps: int,
+                  epochs: int) -> Any:
+    """The bar of one epoch, ``epoch N/M`` of the whole run (LTH: every round's epochs), as the
+    line after each epoch says."""
     return tqdm(total=steps, initial=progress.step_in_epoch,
-                desc=f"epoch {progress.epoch + 1}/{cfg.epochs}",
+                desc=f"epoch {progress.epoch + 1}/{epochs}",
                 disable=not (env.is_main and cfg.progress), leave=False, mininterval=1.0)
 
 

@@ -28,6 +28,7 @@ from .. import data as datasets
 from .. import models
 from ..config import TrainConfig
 from ..data.packed import windows
+from ..data.validate import check_subset
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 from ..formatting import one_line
@@ -39,6 +40,9 @@ class PackedLMTask:
     def __init__(self, cfg: TrainConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
         self.corpus = load_corpus(cfg, env)
+        for key, n, split in (("train_subset", len(self.corpus.train), "training"),
+                              ("test_subset", len(self.corpus.valid), "validation")):
+            check_subset(key, getattr(cfg, key), n, f"the {split} tokens of {cfg.data}")
         train = self.corpus.train[:cfg.train_subset] if cfg.train_subset else self.corpus.train
         self.train_loader = datasets.PackedLoader(train, cfg.seq_len, cfg.batch_size,
                                                   seed=cfg.seed, rank=env.rank,

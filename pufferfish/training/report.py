@@ -5,13 +5,15 @@ Reads each run directory's ``metrics.jsonl`` and ``config.toml``; writes nothing
 
 from __future__ import annotations
 
+import io
 import json
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from ..formatting import markdown_table
-from ..outputs import claim_outputs
+from ..outputs import claim_outputs, seal_outputs
+from .checkpoint import atomic_write
 from .metrics import quality_key, read_metrics, selection_key
 
 __all__ = ["compare_runs", "summarize_run"]
@@ -78,79 +80,107 @@ REPORT_FILES = ("report.md", "accuracy.png", "stable_ranks.png")
 def compare_runs(run_dirs: list[str], out: str | None = None, *, overwrite: bool = False,
                  command: str = "report") -> str:
     """A Markdown table of the runs; with ``out``, also ``report.md`` and PNG plots there
-    (refused if they would replace files that ``command`` did not write, unless ``overwrite``)."""
+    (refused if they would replace files that ``command`` did not write, or that were changed
+    since, unless ``overwrite``). Everything is made first: a failure writes nothing."""
     runs = [summarize_run(d) for d in run_dirs]
-    if out:
-        claim_outputs(out, command, REPORT_FILES, overwrite)
-    lm = runs[0]["quality_key"] != "test_acc"
+    table = "\n".join(markdown_table(*_table(runs)))
+    if not out:
+        return table
+    out_dir = Path(out)
+    plots = _plot(runs)
+    body = table + "\n\n" + "\n".join(f"![{Path(n).stem}]({n})" for n in plots) + "\n"
+    files = {"report.md": body.encode(), **plots}
+    claim_outputs(out_dir, command, REPORT_FILES, overwrite)
+    for name, data in files.items():
+        atomic_write(out_dir / name, lambda f, data=data: f.write(data))
+    seal_outputs(out_dir, command, files)
+    return table + "\n\nwritten: " + ", ".join(str(out_dir / name) for name in files)
+
+
+def _quality(run: dict[str, Any], named: bool) -> str:
+    """A run's final quality by its own key: ``91.20%`` (accuracy) or ``206.62`` (perplexity);
+    ``named``: followed by the key (``val ppl``), for a table of runs of different tasks."""
+    key = run["quality_key"]
+    text = f"{100 * run['final']:.2f}%" if key == "test_acc" else f"{run['final']:.2f}"
+    return f"{text} {key.replace('_', ' ')}" if named else text
+
+
+def _table(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    keys = {r["quality_key"] for r in runs}
+    mixed = len(keys) > 1  # e.g. a language model beside an image model: each by its own key
+    quality = "final quality" if mixed else f"final {keys.pop().replace('_', ' ')}"
+    head = ["run", "mode", "comm", "epochs", quality, "params", "MACs", "s/epoch",
+            "s/epoch after switch", "total s", "MB/step", "time vs first"]
     base = runs[0]
-    head = ["run", "mode", "comm", "epochs", f"final {runs[0]['quality_key'].replace('_', ' ')}",
-            "params", "MACs", "s/epoch", "s/epoch after switch", "total s", "MB/step",
-            "time vs first"]
     rows = []
     for r in runs:
-        quality = f"{r['final']:.2f}" if lm else f"{100 * r['final']:.2f}%"
         after = r["epoch_time_lowrank"]
         rows.append([
-            r["run"], r["mode"], r["comm"], str(r["epochs"]), quality,
+            r["run"], r["mode"], r["comm"], str(r["epochs"]), _quality(r, mixed),
             f"{r['params'] / 1e6:.3f}M", f"{r['macs'] / 1e6:.1f}M", f"{r['epoch_time']:.1f}",
             f"{after:.1f}" if after is not None else "-", f"{r['total_time']:.0f}",
             f"{r['bytes_per_step'] / 1e6:.2f}",
             f"{r['total_time'] / base['total_time']:.2f}x",
         ])
-    lines = markdown_table(head, rows)
-    table = "\n".join(lines)
-    if out:
-        out_dir = Path(out)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        plots = _plot(runs, out_dir)
-        body = table + "\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
-        (out_dir / "report.md").write_text(body)
-        table += f"\n\nwritten: {out_dir / 'report.md'}, " + ", ".join(str(p) for p in plots)
-    return table
+    return head, rows
 
 
-def _plot(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+LABELS = {"test_ppl": "test perplexity", "val_ppl": "validation perplexity",
+          "test_acc": "test accuracy"}
+
+
+def _curve_key(run: dict[str, Any]) -> str:
+    """The figure a run's curve shows: its reported one if every epoch has it, else the one
+    choices are made on (llama's test perplexity exists after the last epoch only)."""
+    key = run["quality_key"]
+    return key if all(key in row for row in run["rows"]) else run["selection_key"]
+
+
+def _plot(runs: list[dict[str, Any]]) -> dict[str, bytes]:
+    """``{file name: PNG}``: quality per epoch and against time (a row per quality key, so
+    accuracy and perplexity never share an axis), and the stable ranks where recorded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    key = runs[0]["quality_key"]
-    if not all(key in row for r in runs for row in r["rows"]):  # llama: test_ppl at the end only
-        key = runs[0]["selection_key"]
-    label = {"test_ppl": "test perplexity", "val_ppl": "validation perplexity"}.get(
-        key, "test accuracy")
-    fig, (ax_epoch, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in runs:
-        epochs = [row["epoch"] for row in r["rows"]]
-        values = [row[key] for row in r["rows"]]
-        clock, t = [], 0.0
-        for row in r["rows"]:
-            t += row["epoch_time"]
-            clock.append(t)
-        name = f"{r['run']} ({r['mode']})"
-        ax_epoch.plot(epochs, values, marker="o", label=name)
-        ax_time.plot(clock, values, marker="o", label=name)
-        if r["switch_epoch"] is not None and r["switch_epoch"] > 0:
-            ax_epoch.axvline(r["switch_epoch"] + 0.5, ls=":", color="grey")
-    ax_epoch.set(xlabel="epoch", ylabel=label, title=f"{label} per epoch")
-    ax_time.set(xlabel="wall-clock seconds", ylabel=label, title=f"{label} against time")
-    for ax in (ax_epoch, ax_time):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    keys = list(dict.fromkeys(_curve_key(r) for r in runs))
+    fig, axes = plt.subplots(len(keys), 2, figsize=(11, 4 * len(keys)), squeeze=False)
+    for key, (ax_epoch, ax_time) in zip(keys, axes):
+        label = LABELS.get(key, key)
+        for r in (r for r in runs if _curve_key(r) == key):
+            epochs = [row["epoch"] for row in r["rows"]]
+            values = [row[key] for row in r["rows"]]
+            clock, t = [], 0.0
+            for row in r["rows"]:
+                t += row["epoch_time"]
+                clock.append(t)
+            name = f"{r['run']} ({r['mode']})"
+            ax_epoch.plot(epochs, values, marker="o", label=name)
+            ax_time.plot(clock, values, marker="o", label=name)
+            if r["switch_epoch"] is not None and r["switch_epoch"] > 0:
+                ax_epoch.axvline(r["switch_epoch"] + 0.5, ls=":", color="grey")
+        ax_epoch.set(xlabel="epoch", ylabel=label, title=f"{label} per epoch")
+        ax_time.set(xlabel="wall-clock seconds", ylabel=label, title=f"{label} against time")
+        for ax in (ax_epoch, ax_time):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
-    path = out_dir / "accuracy.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    plots = [path]
+    plots = {"accuracy.png": _png(fig, plt)}
     stable = [r for r in runs if any("stable_ranks" in row for row in r["rows"])]
     if stable:
-        plots.append(_plot_stable_ranks(stable[0], out_dir, plt))
+        plots["stable_ranks.png"] = _plot_stable_ranks(stable[0], plt)
     return plots
 
 
-def _plot_stable_ranks(run: dict[str, Any], out_dir: Path, plt: Any) -> Path:
+def _png(fig: Any, plt: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _plot_stable_ranks(run: dict[str, Any], plt: Any) -> bytes:
     """Stable rank per layer over epochs: every observation where the run recorded them
     (``factorization.json``, from initialization to the switch), else the per-epoch rows."""
     series: dict[str, list[tuple[float, float]]] = {}
@@ -170,7 +200,4 @@ def _plot_stable_ranks(run: dict[str, Any], out_dir: Path, plt: Any) -> Path:
     if len(series) <= 12:
         ax.legend(fontsize=6)
     fig.tight_layout()
-    path = out_dir / "stable_ranks.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _png(fig, plt)

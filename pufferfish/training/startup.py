@@ -183,6 +183,8 @@ class _Look:
 def _decide(cfg: TrainConfig, env: DistEnv, run_dir: Path,
             run_fields: tuple[str, ...]) -> tuple[dict[str, Any], Path] | None:
     """Rank 0's decision (:func:`find_resume_point`): every check first, then the changes."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"out {str(run_dir)!r} is a file: allowed a directory (the run's)")
     restart = _restart_count()
     explicit = bool(cfg.resume) and cfg.resume != "auto"
     source = Path(cfg.resume) if explicit else run_dir
@@ -325,6 +327,11 @@ def _claim(cfg: TrainConfig, run_dir: Path, how: str, own: bool) -> list[Path]:
         raise ConfigError(
             f"--out {run_dir} holds another run ({names}); nothing was changed: fork --resume "
             f"{cfg.resume} into another --out, or add --overwrite (removes those files only)")
+    if not ckpt.checkpoint_files(run_dir):  # nothing to resume: only the fresh start works
+        raise ConfigError(
+            f"--out {run_dir} holds an earlier run that stopped before its first checkpoint "
+            f"({names}); nothing was changed: start it anew there with --overwrite (removes "
+            "those files only), or use another --out")
     raise ConfigError(
         f"--out {run_dir} holds an earlier run ({names}); nothing was changed: continue it with "
         f"--resume {run_dir}, or start anew there with --overwrite (removes those files only)")

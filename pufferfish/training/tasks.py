@@ -24,6 +24,7 @@ from torch import nn
 from .. import data as datasets
 from .. import models
 from ..config import TrainConfig
+from ..data.validate import check_subset
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 
@@ -99,15 +100,17 @@ def build_task(cfg: TrainConfig, env: DistEnv) -> Task:
 def check_subsets(cfg: TrainConfig, n_train: int, n_test: int, unit: str, held: int = 0) -> None:
     """``train_subset``/``test_subset`` within the data (``DataError`` naming the key); ``held``:
     training examples held out for validation, which ``train_subset`` cannot take."""
-    for name, n, split in (("train_subset", n_train, "training"), ("test_subset", n_test, "test")):
-        if getattr(cfg, name) > n:
-            less = f" less the {held} of val_subset" if held and name == "train_subset" else ""
-            raise datasets.DataError(f"{name} {getattr(cfg, name)} is invalid: allowed 0 (all) to "
-                                     f"{n} (the {split} {unit} of {cfg.data}{less})")
+    for key, n, split in (("train_subset", n_train, "training"), ("test_subset", n_test, "test")):
+        less = f" less the {held} of val_subset" if held and key == "train_subset" else ""
+        check_subset(key, getattr(cfg, key), n, f"the {split} {unit} of {cfg.data}{less}")
 
 
 class ImageTask:
     def __init__(self, cfg: TrainConfig, env: DistEnv) -> None:
+        missing = datasets.missing_file(
+            cfg.data, f"fashion-mnist or cifar10 (model {cfg.model!r} reads images)")
+        if missing:
+            raise missing
         if cfg.data in ("kjv",) or cfg.data.endswith(".txt"):
             raise datasets.DataError(f"data {cfg.data!r} is text: model {cfg.model!r} needs "
                                      "fashion-mnist or cifar10")
