@@ -97,7 +97,7 @@ def test_a_budget_past_the_epochs_allowed_is_refused_in_one_line(tmp_path: Path)
                                      "--out", str(tmp_path / "run")))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "tokens_per_param 50" in lines[0] and "--epochs 1" in lines[0]
+    assert len(lines) == 1 and "--tokens-per-param 50" in lines[0] and "--epochs 1" in lines[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pufferfish.cli import main
-from pufferfish.config import dump_toml, load_config
+from pufferfish.configfile import dump_toml, load_config
 from pufferfish.lowrank import svd_split
 from pufferfish.outputs import RECORD, owners
 from pufferfish.training.metrics import MetricsWriter
