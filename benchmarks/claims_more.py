@@ -165,7 +165,8 @@ PEERS = ("ddp", "powersgd", "pufferfish", "pufferfish+powersgd")
 def demo_peers_claim(cache: Path) -> dict:
     """`make demo` with its peers: who reaches DDP's final - 0.5 first over the 100 Mbit/s link."""
     demo = cache / "demo-peers-2026-12-05"
-    runs = {m: demo / m for m in PEERS if (demo / m / "metrics.jsonl").is_file()}
+    runs = {m: demo / "train" / "100mbit" / m for m in PEERS
+            if (demo / "train" / "100mbit" / m / "metrics.jsonl").is_file()}
     command = "make demo   (benchmarks/demo.sh: 4 methods, 30,000 images, 100 Mbit/s)"
     title = "`make demo` with its peers: first to DDP's final − 0.5 over 100 Mbit/s"
     if "ddp" not in runs:
@@ -214,8 +215,11 @@ def budget_claim(cache: Path) -> dict:
     for r in rows:
         methods.setdefault(f"{r['method']} lr {r['lr']:g} @ {r['budget']:g} tok/param",
                            {})[r["seed"]] = r["test_ppl"]
-    ours = ("not run yet: " + command if not rows else
-            "; ".join(decided) if decided else f"{len(rows)} runs, not enough seeds yet")
+    so_far = ", ".join(f"{r['method']} {r['test_ppl']:.2f}" for r in rows if r["seed"] == 0
+                       and r["budget"] == 20 and r["lr"] == 3e-3)
+    ours = ("not run yet: " + command if not rows else "; ".join(decided) if decided else
+            f"running ({len(rows)} runs so far); test ppl at 20 tokens/param, lr 3e-3, seed 0: "
+            f"{so_far}; no verdict before three seeds at each method's LR")
     return record(
         "lm-budget", "Language-model budget study: does the warm-up matter at N tokens/param?",
         "(not in the paper)", "test perplexity",
