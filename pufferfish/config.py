@@ -172,8 +172,8 @@ class TrainConfig:
         _positive("bptt", self.bptt)
         _positive("timeout_s", self.timeout_s)
         if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
-            raise ConfigError(f"grad_accum {self.grad_accum!r} is invalid (--grad-accum: micro-batches "
-                              "per optimizer step): allowed an integer >= 1")
+            raise ConfigError(f"grad_accum {self.grad_accum!r} is invalid: allowed an integer >= 1 "
+                              "(micro-batches per optimizer step)")
         for name in ("max_vocab", "train_subset", "val_subset", "test_subset", "keep_first",
                      "checkpoint_every_epochs", "checkpoint_every_steps", "threads",
                      "stable_rank_every_steps", "eval_every_steps", "bn_batches"):

@@ -110,9 +110,9 @@ def test_a_missing_tensorboard_is_one_line(tmp_path: Path, capsys: pytest.Captur
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
     out = tmp_path / "run"
     code, _, err = cli(["train", *TINY, "--out", str(out), "--logger", "tensorboard"], capsys)
-    assert code == 2 and err == ("pufferfish: error: logger 'tensorboard' needs the tensorboard "
+    assert code == 2 and err == ("pufferfish: error: --logger 'tensorboard' needs the tensorboard "
                                  "package, which is not installed: pip install tensorboard (or "
-                                 "use logger 'none')\n")
+                                 "use --logger 'none')\n")  # named as typed: the flag
     assert not out.exists()
 
 

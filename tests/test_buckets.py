@@ -154,7 +154,7 @@ def test_cli_refuses_a_bad_bucket_mb_in_one_line() -> None:
     result = run_cli("train", "--bucket-mb", "0")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "pufferfish: error: bucket_mb '0' is invalid: allowed 'auto', 'torch' or a bucket cap in "
+        "pufferfish: error: --bucket-mb '0' is invalid: allowed 'auto', 'torch' or a bucket cap in "
         "MiB > 0 (e.g. 0.25)"]
 
 

@@ -138,7 +138,7 @@ def test_a_single_replica_is_refused_in_one_line(tmp_path: Path) -> None:
     assert result.returncode != 0 and lines, result.stderr[-3000:]
     assert "exitcode  : 2" in result.stderr  # each process's exit status, under torchrun's
     assert "shard_size 0 (LOCAL_WORLD_SIZE 2, the processes of one machine) is invalid with " \
-           "sync 'diloco' on 2 processes (one replica: nothing for DiLoCo to average)" in lines[0]
+           "--sync 'diloco' on 2 processes (one replica: nothing for DiLoCo to average)" in lines[0]
 
 
 @needs_fashion

@@ -87,6 +87,7 @@ def test_galore_without_its_package_exits_2() -> None:
 
 def test_galore_on_a_model_without_2d_weights_to_project_exits_2() -> None:
     result = run_cli("train", "--mode", "galore", "--model", "resnet18", "--width", "0.125",
-                     "--train-subset", "64", "--epochs", "1", "--no-progress")
+                     "--train-subset", "64", "--batch-size", "32", "--epochs", "1",
+                     "--no-progress")
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "mode 'galore' is invalid with model 'resnet18'" in result.stderr
+    assert "--mode 'galore' is invalid with --model 'resnet18'" in result.stderr

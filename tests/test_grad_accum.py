@@ -153,12 +153,12 @@ def test_resume_keeps_grad_accum_or_refuses_a_change(tmp_path: Path) -> None:
                       "--no-progress")
     assert changed.returncode == 2, changed.stderr[-2000:]
     lines = changed.stderr.strip().splitlines()
-    assert len(lines) == 1 and "grad_accum: checkpoint has 2, this run has 3" in lines[0]
+    assert len(lines) == 1 and "--grad-accum: checkpoint has 2, this run has 3" in lines[0]
 
 
 @pytest.mark.parametrize("value,message", [
-    ("0", "grad_accum 0 is invalid (--grad-accum"),
-    ("1000", "grad_accum 1000 is invalid with 59 micro-batch(es)"),  # more than an epoch has
+    ("0", "--grad-accum 0 is invalid: allowed an integer >= 1"),
+    ("1000", "--grad-accum 1000 is invalid with 59 micro-batch(es)"),  # more than an epoch has
 ])
 def test_bad_grad_accum_is_refused_in_one_line(tmp_path: Path, value: str, message: str) -> None:
     result = run_cli("train", *tiny_lm_args(tmp_path, "--grad-accum", value),
@@ -170,7 +170,7 @@ def test_bad_grad_accum_is_refused_in_one_line(tmp_path: Path, value: str, messa
 
 
 def test_negative_grad_accum_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"grad_accum -2 is invalid \(--grad-accum"):
+    with pytest.raises(ConfigError, match=r"grad_accum -2 is invalid: allowed an integer >= 1"):
         load_config(None, {"grad_accum": "-2"})
 
 
@@ -203,7 +203,7 @@ def test_bench_step_accumulates_with_one_synchronization(tmp_path: Path) -> None
 
 def test_bench_refuses_a_bad_grad_accum_in_one_line(tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    for args, needle in ((["--grad-accum", "0"], "grad_accum 0 is invalid (--grad-accum"),
+    for args, needle in ((["--grad-accum", "0"], "--grad-accum 0 is invalid: allowed an integer >= 1"),
                          (["--grad-accum", "2", "--train"], "--grad-accum 2 is invalid with --train")):
         assert main(["bench", *args, "--out", str(tmp_path / "bench")]) == 2
         err = capsys.readouterr().err.strip()

@@ -212,8 +212,8 @@ class BenchConfig:
         batch (bench/accuracy.py), so they keep 1."""
         n = self.grad_accum
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"grad_accum {n!r} is invalid (--grad-accum: micro-batches per "
-                             "step): allowed an integer >= 1")
+            raise ValueError(f"--grad-accum {n!r} is invalid: allowed an integer >= 1 "
+                             "(micro-batches per step)")
         if n > 1 and (self.train or self.accuracy_runs):
             raise ValueError(f"--grad-accum {n} is invalid with --train or --accuracy-runs "
                              "(time to accuracy counts steps of one batch): allowed 1, or step "

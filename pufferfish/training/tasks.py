@@ -59,6 +59,10 @@ def steps_per_epoch(cfg: TrainConfig, task: Task) -> int:
     """Optimizer steps per epoch: the loader's micro-batches in groups of ``grad_accum`` (an
     incomplete last group dropped, :func:`~pufferfish.training.step.micro_batch_groups`)."""
     micro = len(task.train_loader)
+    if micro == 0:
+        raise datasets.DataError(
+            f"batch_size {cfg.batch_size} leaves no step in an epoch: the training data of each "
+            "process is smaller than one batch; allowed a smaller --batch-size, or more data")
     if micro < cfg.grad_accum:
         raise datasets.DataError(
             f"grad_accum {cfg.grad_accum} is invalid with {micro} micro-batch(es) of "
