@@ -114,7 +114,7 @@ def test_mismatched_configs_stop_every_rank_by_name(tmp_path: Path) -> None:
     results = [finish(p) for p in procs]
     for code, _, err in results:
         assert code == 2, err[-2000:]
-        assert "ranks disagree on the configuration: lr (rank 0: 0.05, rank 1: 0.1)" in err
+        assert "ranks disagree on the configuration: --lr (rank 0: 0.05, rank 1: 0.1)" in err
         assert len(err.strip().splitlines()) == 1
     assert time.monotonic() - started < 120
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -395,7 +395,7 @@ def test_resume_with_another_validation_split_is_refused(
     assert main(["train", "--resume", str(run), "--val-subset", "200"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert "val_subset: checkpoint has 100, this run has 200" in err
+    assert "--val-subset: checkpoint has 100, this run has 200" in err
     # A run written before the field existed had no validation split: 0, not today's default.
     old = {k: v for k, v in cfg.to_dict().items() if k != "val_subset"}
     (run / "config.toml").write_text(dump_toml(cfg).replace("val_subset = 100\n", ""))
