@@ -402,4 +402,4 @@ def test_resume_with_another_validation_split_is_refused(
     save_checkpoint(run, {"config": old, "model": {}, "epoch": 1}, 8)
     assert load_run_config(run / "config.toml").val_subset == 0
     assert main(["train", "--resume", str(run), "--val-subset", "5000"]) == 2
-    assert "val_subset: checkpoint has 0, this run has 5000" in capsys.readouterr().err
+    assert "--val-subset: checkpoint has 0, this run has 5000" in capsys.readouterr().err
