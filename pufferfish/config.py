@@ -67,7 +67,7 @@ class TrainConfig:
     download: bool = False  # fetch missing dataset files from their official URLs
     val_subset: int = 5000  # images: hold out N training images (a fixed draw, the same for every seed and mode) as the validation split choices are made on (0: none)
     train_subset: int = 0  # use only the first N training examples (0: all; images: all not held out by val_subset)
-    test_subset: int = 0  # use only the first N test examples (0: all)
+    test_subset: int = 0  # evaluate only the first N examples of the validation and test splits (0: all)
     # The method
     mode: str = "pufferfish"  # full, pufferfish (warm-up, then factorize), lowrank (from step 0), galore, lth, prune
     warmup_epochs: str = "20%"  # full-rank epochs before the switch: N, P% of the epochs, or auto

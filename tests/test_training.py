@@ -362,7 +362,7 @@ def test_the_validation_split_is_the_same_for_every_seed_mode_and_rank() -> None
 
     def task(rank: int, **changes: Any) -> ImageTask:
         cfg = load_config(None, {"model": "resnet18", "width": 0.125, "val_subset": 500,
-                                 "test_subset": 64, "threads": 1, **changes})
+                                 "threads": 1, **changes})
         return ImageTask(cfg, DistEnv(rank=rank, world_size=2))
 
     a, b = task(0), task(1, seed=7, mode="full")
@@ -371,6 +371,9 @@ def test_the_validation_split_is_the_same_for_every_seed_mode_and_rank() -> None
     images = torch.empty_like(a.ds.val_images)
     images[0::2], images[1::2] = a.val[0], b.val[0]
     assert torch.equal(images, a.ds.val_images) and a.val[2] == b.val[2] == 500
+    # --test-subset caps the evaluation of both splits: a quick run evaluates N of each
+    capped = task(0, test_subset=64)
+    assert capped.val[2] == capped.test[2] == 64 and len(capped.ds.val_labels) == 500
     # Held out of training: the loader trains on the other 59,500, --train-subset on their first.
     assert a.train_loader.dataset_size == 60_000 - 500
     c = task(0, train_subset=256)

@@ -127,7 +127,9 @@ class ImageTask:
                                       world_size=env.world_size, subset=cfg.train_subset or None,
                                       drop_last=True, device=env.device)
         assert ds.val_images is not None and ds.val_labels is not None
-        self.val = _shard(ds.val_images, ds.val_labels, len(ds.val_labels), env)
+        # --test-subset caps every evaluation split (a quick run evaluates N of each), as the LMs'
+        self.val = _shard(ds.val_images, ds.val_labels,
+                          min(cfg.test_subset or len(ds.val_labels), len(ds.val_labels)), env)
         self.test = _shard(ds.test_images, ds.test_labels,
                            cfg.test_subset or len(ds.test_labels), env)
         self.model = models.build_at_width(cfg.model, cfg.width, num_classes=ds.num_classes,
