@@ -215,11 +215,16 @@ def budget_claim(cache: Path) -> dict:
     for r in rows:
         methods.setdefault(f"{r['method']} lr {r['lr']:g} @ {r['budget']:g} tok/param",
                            {})[r["seed"]] = r["test_ppl"]
-    so_far = ", ".join(f"{r['method']} {r['test_ppl']:.2f}" for r in rows if r["seed"] == 0
-                       and r["budget"] == 20 and r["lr"] == 3e-3)
+    best: dict[str, dict[str, Any]] = {}  # each method's best LR so far, by validation
+    for r in rows:
+        if r["seed"] == 0 and r["budget"] == 20 and (
+                r["method"] not in best or r["val_ppl"] < best[r["method"]]["val_ppl"]):
+            best[r["method"]] = r
+    so_far = ", ".join(f"{m} {r['test_ppl']:.2f} (lr {r['lr']:g})" for m, r in best.items())
     ours = ("not run yet: " + command if not rows else "; ".join(decided) if decided else
-            f"running ({len(rows)} runs so far); test ppl at 20 tokens/param, lr 3e-3, seed 0: "
-            f"{so_far}; no verdict before three seeds at each method's LR")
+            f"running ({len(rows)} runs so far); test ppl at 20 tokens/param, seed 0, each "
+            f"method's best LR so far on validation: {so_far}; no verdict before three seeds "
+            "at each method's LR")
     return record(
         "lm-budget", "Language-model budget study: does the warm-up matter at N tokens/param?",
         "(not in the paper)", "test perplexity",
