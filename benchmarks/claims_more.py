@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import diloco_tta
-from claims import DOCS, LINK_NAMES, coverage, final, last_row, per_seed, record, stats
+from claims import DOCS, LINK_NAMES, coverage, final, last_row, per_seed, record, rows_of, stats
 
 from pufferfish.bench import accuracy as acc
 
@@ -175,7 +175,7 @@ def demo_peers_claim(cache: Path) -> dict:
                       ("`make demo` with its peers", "–", f"not run yet: `{command}`",
                        f"[the demo]({DOCS}#make-demo)"))
     target = final(runs["ddp"]) / 100 - 0.005
-    reach = {m: acc.time_to_accuracy(list(rows_of_run(r)), target) for m, r in runs.items()}
+    reach = {m: acc.time_to_accuracy(list(rows_of(r)), target) for m, r in runs.items()}
     methods = {m: stats({0: t}) for m, t in reach.items()}
     reached = {m: t for m, t in reach.items() if t is not None}
     first = min(reached, key=reached.get) if reached else None
@@ -188,14 +188,9 @@ def demo_peers_claim(cache: Path) -> dict:
         "One seed (0), 2 CPU cores, ResNet-18 width 0.25 on 30,000 images: DDP 3 epochs, the "
         "others 4. Times are summed epoch times over the emulated link (evaluation excluded).",
         "fixed in advance",
-        ("`make demo` with its peers (100 Mbit/s, seed 0)", "–",
+        ("`make demo` with its peers (2 CPU cores, 100 Mbit/s, seed 0)", "–",
          f"to {100 * target:.2f}% (DDP's final − 0.5): {cells}; first: {first or 'none'}",
          f"[the demo]({DOCS}#make-demo)"))
-
-
-def rows_of_run(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
 
 
 # -- the language-model budget study ---------------------------------------------------------------
