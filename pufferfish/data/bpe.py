@@ -69,7 +69,7 @@ def corpus_lines(name: str) -> tuple[list[str], str]:
     key = name.strip().lower()
     if key in BPE_CORPORA:
         return [line for source in BPE_CORPORA[key][0] for line in _SOURCES[source]()], \
-            key.replace("+", "-").replace("bible", "kjv")
+            _stem(key)
     path = Path(name).expanduser()
     if path.is_file():
         return load_text_file(path), path.stem
@@ -87,8 +87,12 @@ def corpus_splits(name: str) -> tuple[tuple[list[str], list[str], list[str]], st
         lines, stem = corpus_lines(name)
         return _split(lines), stem, lines
     parts = [_SOURCES[source]() for source in sources]
-    stem = key.replace("+", "-").replace("bible", "kjv")
-    return split_documents(parts, dedupe), stem, [line for lines in parts for line in lines]
+    return split_documents(parts, dedupe), _stem(key), [line for lines in parts for line in lines]
+
+
+def _stem(key: str) -> str:
+    """A named corpus's name in cache files: ``kjv``, ``kjv-gcide``."""
+    return key.replace("+", "-").replace("bible", "kjv")
 
 
 def split_documents(parts: Sequence[Sequence[str]], dedupe: bool
