@@ -12,7 +12,8 @@ every 100 steps, so a stopped study resumes where it was.
 ``run`` works through a queue and keeps every finished run (a run directory whose last metrics
 row has ``test_ppl``), so the study grows across sessions: phase ``lr`` is each method at each LR
 of its grid at 20 tokens per parameter, seed 0, in an order that gives every method one LR before
-any gets a second; phase ``seeds`` is seeds 0-2 at 1, 5 and 20 tokens per parameter at each
+any gets a second, a grid growing past its edge while its best is there (run it again after the
+runs to take the new points); phase ``seeds`` is seeds 0-2 at 1, 5 and 20 tokens per parameter at each
 method's LR chosen on validation by phase ``lr``. ``summary`` prints the tables, the LR chosen per
 method, the decision rule's verdict per budget, and plots test perplexity against tokens per
 parameter.
@@ -51,6 +52,7 @@ METHODS: dict[str, tuple[list[str], list[float]]] = {
     "galore": (["--mode", "galore", "--galore-scale", "0.25"], [1e-2, 3e-2, 3e-3]),
 }
 LR_BUDGET, BUDGETS, SEEDS = 20.0, (1.0, 5.0, 20.0), (0, 1, 2)
+LADDER = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]  # where a grid grows past its edge
 
 
 def run_dir(out: Path, budget: float, method: str, lr: float, seed: int) -> Path:
@@ -72,11 +74,28 @@ def best_val(path: Path) -> float | None:
     return None if last is None else last["val_ppl"]
 
 
+def grid(out: Path, method: str) -> list[float]:
+    """``method``'s LRs to try: its base grid, grown one half-decade step (``LADDER``) past an
+    edge for as long as the best final validation perplexity so far sits on that edge, the same
+    rule for every method (an LR at the grid's edge is not chosen, only bounded)."""
+    lrs = sorted(METHODS[method][1])
+    while True:
+        vals = {lr: best_val(run_dir(out, LR_BUDGET, method, lr, 0)) for lr in lrs}
+        if any(v is None for v in vals.values()):
+            return lrs
+        best = min(vals, key=lambda lr: vals[lr])  # type: ignore[arg-type,return-value]
+        i = LADDER.index(best)
+        step = 1 if best == lrs[-1] else -1 if best == lrs[0] else 0
+        if step == 0 or not 0 <= i + step < len(LADDER):
+            return lrs
+        lrs = sorted([*lrs, LADDER[i + step]])
+
+
 def chosen_lr(out: Path, method: str) -> float | None:
-    """The LR of ``method``'s grid with the lowest final validation perplexity at 20 tokens per
-    parameter, seed 0; None until its whole grid has run."""
-    grid = METHODS[method][1]
-    vals = {lr: best_val(run_dir(out, LR_BUDGET, method, lr, 0)) for lr in grid}
+    """The LR of ``method``'s grid (:func:`grid`) with the lowest final validation perplexity at
+    20 tokens per parameter, seed 0; None until its whole grid has run."""
+    lrs = grid(out, method)
+    vals = {lr: best_val(run_dir(out, LR_BUDGET, method, lr, 0)) for lr in lrs}
     if any(v is None for v in vals.values()):
         return None
     return min(vals, key=lambda lr: vals[lr])  # type: ignore[arg-type,return-value]
@@ -85,8 +104,10 @@ def chosen_lr(out: Path, method: str) -> float | None:
 def queue(out: Path, phase: str, methods: list[str]) -> list[tuple[float, str, float, int]]:
     """(budget, method, lr, seed) still to run, in order."""
     if phase == "lr":
-        todo = [(LR_BUDGET, m, METHODS[m][1][i], 0)
-                for i in range(3) for m in methods]
+        grids = {m: [*METHODS[m][1], *(lr for lr in grid(out, m) if lr not in METHODS[m][1])]
+                 for m in methods}
+        todo = [(LR_BUDGET, m, grids[m][i], 0)
+                for i in range(max(map(len, grids.values()))) for m in methods if i < len(grids[m])]
     else:
         todo = []
         for seed in SEEDS:
