@@ -6,15 +6,17 @@ LR warm-up, cosine, weight decay 0.1, clip 1.0); validation every 100 steps (for
 once at the end (for reporting), both on the first 262,144 tokens of their splits; a checkpoint
 every 100 steps, so a stopped study resumes where it was.
 
-    python benchmarks/lm_budget.py run OUT [--phase lr|seeds] [--methods a,b] [--dry-run]
+    python benchmarks/lm_budget.py run OUT [--phase lr|variants|seeds] [--methods a,b] [--dry-run]
     python benchmarks/lm_budget.py summary OUT [--md FILE] [--png FILE]
 
 ``run`` works through a queue and keeps every finished run (a run directory whose last metrics
 row has ``test_ppl``), so the study grows across sessions: phase ``lr`` is each method at each LR
 of its grid at 20 tokens per parameter, seed 0, in an order that gives every method one LR before
 any gets a second, a grid growing past its edge while its best is there (run it again after the
-runs to take the new points); phase ``seeds`` is seeds 0-2 at 1, 5 and 20 tokens per parameter at each
-method's LR chosen on validation by phase ``lr``. ``summary`` prints the tables, the LR chosen per
+runs to take the new points); phase ``variants`` is each candidate against the switch's cost
+(``VARIANTS``) once, at its base method's chosen LR; phase ``seeds`` is seeds 0-2 at 1, 5 and 20 tokens per parameter at each
+method's LR chosen on validation by phase ``lr`` (for Pufferfish the method or variant with the
+best validation at 20 tokens per parameter). ``summary`` prints the tables, the LR chosen per
 method, the decision rule's verdict per budget, and plots test perplexity against tokens per
 parameter.
 
@@ -50,6 +52,13 @@ METHODS: dict[str, tuple[list[str], list[float]]] = {
     "puff25proj": (["--mode", "pufferfish", "--warmup-steps", "0.25",
                     "--switch-momentum", "project"], [3e-3, 1e-2, 1e-3]),
     "galore": (["--mode", "galore", "--galore-scale", "0.25"], [1e-2, 3e-2, 3e-3]),
+}
+# Item 5's candidates against the switch's cost, each a Pufferfish variant at its base method's
+# chosen LR (one trial each, on validation): name -> (flags, base method).
+VARIANTS: dict[str, tuple[list[str], str]] = {
+    "puff10proj-rw5": ([*METHODS["puff10proj"][0], "--switch-lr-warmup", "0.05"], "puff10proj"),
+    "puff2proj": (["--mode", "pufferfish", "--warmup-steps", "0.02",
+                   "--switch-momentum", "project"], "puff10proj"),
 }
 LR_BUDGET, BUDGETS, SEEDS = 20.0, (1.0, 5.0, 20.0), (0, 1, 2)
 LADDER = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]  # where a grid grows past its edge
@@ -93,7 +102,9 @@ def grid(out: Path, method: str) -> list[float]:
 
 def chosen_lr(out: Path, method: str) -> float | None:
     """The LR of ``method``'s grid (:func:`grid`) with the lowest final validation perplexity at
-    20 tokens per parameter, seed 0; None until its whole grid has run."""
+    20 tokens per parameter, seed 0 (a variant: its base method's); None until the grid has run."""
+    if method in VARIANTS:
+        return chosen_lr(out, VARIANTS[method][1])
     lrs = grid(out, method)
     vals = {lr: best_val(run_dir(out, LR_BUDGET, method, lr, 0)) for lr in lrs}
     if any(v is None for v in vals.values()):
@@ -101,9 +112,23 @@ def chosen_lr(out: Path, method: str) -> float | None:
     return min(vals, key=lambda lr: vals[lr])  # type: ignore[arg-type,return-value]
 
 
+def best_pufferfish(out: Path) -> str | None:
+    """The Pufferfish method or variant with the lowest final validation perplexity at 20 tokens
+    per parameter, seed 0, at its chosen LR (what the seeds phase runs for Pufferfish)."""
+    vals = {}
+    for m in [*METHODS, *VARIANTS]:
+        lr = chosen_lr(out, m) if m.startswith("puff") else None
+        val = None if lr is None else best_val(run_dir(out, LR_BUDGET, m, lr, 0))
+        if val is not None:
+            vals[m] = val
+    return min(vals, key=vals.__getitem__) if vals else None
+
+
 def queue(out: Path, phase: str, methods: list[str]) -> list[tuple[float, str, float, int]]:
     """(budget, method, lr, seed) still to run, in order."""
-    if phase == "lr":
+    if phase == "variants":
+        todo = [(LR_BUDGET, m, lr, 0) for m in methods if (lr := chosen_lr(out, m)) is not None]
+    elif phase == "lr":
         grids = {m: [*METHODS[m][1], *(lr for lr in grid(out, m) if lr not in METHODS[m][1])]
                  for m in methods}
         todo = [(LR_BUDGET, m, grids[m][i], 0)
@@ -113,10 +138,16 @@ def queue(out: Path, phase: str, methods: list[str]) -> list[tuple[float, str, f
         for seed in SEEDS:
             for budget in (LR_BUDGET, 5.0, 1.0):
                 for m in methods:
+                    if m == "pufferfish" and (m := best_pufferfish(out) or "") == "":
+                        continue
                     lr = chosen_lr(out, m)
                     if lr is not None:
                         todo.append((budget, m, lr, seed))
     return [t for t in todo if finished(run_dir(out, *t)) is None]
+
+
+def flags(method: str) -> list[str]:
+    return VARIANTS[method][0] if method in VARIANTS else METHODS[method][0]
 
 
 def launch(out: Path, budget: float, method: str, lr: float, seed: int) -> bool:
@@ -126,7 +157,7 @@ def launch(out: Path, budget: float, method: str, lr: float, seed: int) -> bool:
     resume = (["--resume", "auto"] if latest_checkpoint(path) is not None else
               ["--overwrite"] if path.is_dir() else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "pufferfish", "train", *BASE, *METHODS[method][0], "--lr", f"{lr:g}",
+           "2", "-m", "pufferfish", "train", *BASE, *flags(method), "--lr", f"{lr:g}",
            "--seed", str(seed), "--tokens-per-param", f"{budget:g}", "--out", str(path), *resume]
     with open(f"{path}.log", "a") as log:
         log.write(" ".join(cmd) + "\n")
@@ -162,7 +193,7 @@ def verdicts(out: Path, rows: list[dict]) -> list[str]:
     lines = []
     for budget in BUDGETS:
         stats = {}
-        for m in METHODS:
+        for m in [*METHODS, *VARIANTS]:
             lr = chosen_lr(out, m)
             vals = [r["test_ppl"] for r in rows if r["method"] == m and r["budget"] == budget
                     and r["lr"] == lr]
@@ -193,7 +224,8 @@ def summary(out: Path, md: Path | None, png: Path | None) -> str:
              f"{r['time_s']:.0f} |" for r in rows]
     text += ["", "LR chosen on validation (20 tokens/param, seed 0): " + ", ".join(
         f"{m} {chosen_lr(out, m) if chosen_lr(out, m) is not None else 'grid incomplete'}"
-        for m in METHODS), ""]
+        for m in METHODS)
+        + f"; Pufferfish's variant chosen on validation: {best_pufferfish(out)}", ""]
     text += verdicts(out, rows)
     if png is not None and rows:
         _plot(out, rows, png)
@@ -209,7 +241,7 @@ def _plot(out: Path, rows: list[dict], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for m in METHODS:
+    for m in [*METHODS, *VARIANTS]:
         lr = chosen_lr(out, m)
         points = {}
         for r in rows:
@@ -236,8 +268,9 @@ def main() -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("out", type=Path)
-    r.add_argument("--phase", choices=("lr", "seeds"), default="lr")
-    r.add_argument("--methods", default=",".join(METHODS))
+    r.add_argument("--phase", choices=("lr", "variants", "seeds"), default="lr")
+    r.add_argument("--methods", help="default: lr every method, variants every variant, seeds "
+                   "full, lowrank, galore and 'pufferfish' (the variant chosen on validation)")
     r.add_argument("--dry-run", action="store_true")
     s = sub.add_parser("summary")
     s.add_argument("out", type=Path)
@@ -247,10 +280,13 @@ def main() -> int:
     if args.cmd == "summary":
         print(summary(args.out, args.md, args.png))
         return 0
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHODS]
+    default = {"lr": list(METHODS), "variants": list(VARIANTS),
+               "seeds": ["full", "lowrank", "galore", "pufferfish"]}[args.phase]
+    methods = [m for m in args.methods.split(",") if m] if args.methods else default
+    allowed = [*METHODS, *VARIANTS, *(["pufferfish"] if args.phase == "seeds" else [])]
+    unknown = [m for m in methods if m not in allowed]
     if unknown:
-        print(f"lm_budget: unknown method {unknown[0]!r}; allowed {', '.join(METHODS)}",
+        print(f"lm_budget: --methods {unknown[0]!r} is unknown; allowed {', '.join(allowed)}",
               file=sys.stderr)
         return 2
     for item in queue(args.out, args.phase, methods):
