@@ -1,0 +1,61 @@
+"""benchmarks/lm_budget.py's choices: an LR grid grows past the edge its best sits on, the LR is
+chosen on validation, and the seeds phase runs the Pufferfish variant best on validation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import lm_budget  # noqa: E402
+
+
+def _finish(out: Path, method: str, lr: float, val: float, test: float = 0.0) -> None:
+    path = lm_budget.run_dir(out, 20.0, method, lr, 0)
+    path.mkdir(parents=True)
+    row = {"val_ppl": val, "test_ppl": test or val, "params": 1000, "epoch_time": 1.0}
+    (path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+
+
+def test_grid_grows_past_its_edge_until_the_best_is_inside(tmp_path: Path) -> None:
+    for lr, val in ((1e-3, 30.0), (3e-3, 25.0), (1e-2, 22.0)):
+        _finish(tmp_path, "full", lr, val)
+    assert lm_budget.grid(tmp_path, "full") == [1e-3, 3e-3, 1e-2, 3e-2]
+    assert lm_budget.chosen_lr(tmp_path, "full") is None  # 3e-2 not run yet: not chosen
+    queued = lm_budget.queue(tmp_path, "lr", ["full"])
+    assert [(m, lr) for _, m, lr, _ in queued] == [("full", 3e-2)]
+    _finish(tmp_path, "full", 3e-2, 23.0)  # worse: 1e-2 is inside the grid now
+    assert lm_budget.chosen_lr(tmp_path, "full") == 1e-2
+    assert lm_budget.queue(tmp_path, "lr", ["full"]) == []
+
+
+def test_grid_grows_downward_too(tmp_path: Path) -> None:
+    for lr, val in ((1e-3, 20.0), (3e-3, 25.0), (1e-2, 40.0)):
+        _finish(tmp_path, "lowrank", lr, val)
+    assert lm_budget.grid(tmp_path, "lowrank")[0] == 3e-4
+
+
+def test_seeds_phase_runs_the_variant_best_on_validation(tmp_path: Path) -> None:
+    for lr, val in ((1e-3, 30.0), (3e-3, 25.0), (1e-2, 28.0)):
+        _finish(tmp_path, "puff10proj", lr, val)
+    _finish(tmp_path, "puff2proj", 3e-3, 24.0)  # a variant at its base method's LR, better
+    assert lm_budget.chosen_lr(tmp_path, "puff2proj") == 3e-3
+    assert lm_budget.best_pufferfish(tmp_path) == "puff2proj"
+    queued = lm_budget.queue(tmp_path, "seeds", ["pufferfish"])
+    assert {(m, lr) for _, m, lr, _ in queued} == {("puff2proj", 3e-3)}
+    assert {(b, s) for b, _, _, s in queued} == {(b, s) for b in (20.0, 5.0, 1.0)
+                                                 for s in (0, 1, 2)} - {(20.0, 0)}
+
+
+@pytest.mark.parametrize("bad", ["full,nope"])
+def test_unknown_method_is_refused_in_one_line(tmp_path: Path, bad: str) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/lm_budget.py"), "run",
+                           str(tmp_path), "--methods", bad, "--dry-run"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "--methods" in done.stderr, done.stderr
