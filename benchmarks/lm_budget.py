@@ -124,8 +124,9 @@ def best_pufferfish(out: Path) -> str | None:
     return min(vals, key=vals.__getitem__) if vals else None
 
 
-def queue(out: Path, phase: str, methods: list[str]) -> list[tuple[float, str, float, int]]:
-    """(budget, method, lr, seed) still to run, in order."""
+def queue(out: Path, phase: str, methods: list[str],
+          budgets: tuple[float, ...] = BUDGETS) -> list[tuple[float, str, float, int]]:
+    """(budget, method, lr, seed) still to run, in order (seeds: at ``budgets`` only)."""
     if phase == "variants":
         todo = [(LR_BUDGET, m, lr, 0) for m in methods if (lr := chosen_lr(out, m)) is not None]
     elif phase == "lr":
@@ -136,7 +137,7 @@ def queue(out: Path, phase: str, methods: list[str]) -> list[tuple[float, str, f
     else:
         todo = []
         for seed in SEEDS:
-            for budget in (LR_BUDGET, 5.0, 1.0):
+            for budget in sorted(budgets, reverse=True):
                 for m in methods:
                     if m == "pufferfish" and (m := best_pufferfish(out) or "") == "":
                         continue
@@ -271,6 +272,8 @@ def main() -> int:
     r.add_argument("--phase", choices=("lr", "variants", "seeds"), default="lr")
     r.add_argument("--methods", help="default: lr every method, variants every variant, seeds "
                    "full, lowrank, galore and 'pufferfish' (the variant chosen on validation)")
+    r.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS),
+                   help="seeds: the tokens-per-parameter budgets to run, of %(default)s")
     r.add_argument("--dry-run", action="store_true")
     s = sub.add_parser("summary")
     s.add_argument("out", type=Path)
@@ -289,7 +292,15 @@ def main() -> int:
         print(f"lm_budget: --methods {unknown[0]!r} is unknown; allowed {', '.join(allowed)}",
               file=sys.stderr)
         return 2
-    for item in queue(args.out, args.phase, methods):
+    try:
+        budgets = tuple(float(b) for b in args.budgets.split(",") if b)
+    except ValueError:
+        budgets = (-1.0,)
+    if not set(budgets) <= set(BUDGETS):
+        print(f"lm_budget: --budgets {args.budgets!r} is invalid; allowed a subset of "
+              f"{','.join(f'{b:g}' for b in BUDGETS)}", file=sys.stderr)
+        return 2
+    for item in queue(args.out, args.phase, methods, budgets):
         if args.dry_run:
             print("would run:", run_dir(args.out, *item))
             continue
