@@ -8,6 +8,7 @@ every 100 steps, so a stopped study resumes where it was.
 
     python benchmarks/lm_budget.py run OUT [--phase lr|variants|seeds] [--methods a,b] [--dry-run]
     python benchmarks/lm_budget.py summary OUT [--md FILE] [--png FILE]
+    python benchmarks/lm_budget.py lag OUT --lr LR [--reference lowrank]
 
 ``run`` works through a queue and keeps every finished run (a run directory whose last metrics
 row has ``test_ppl``), so the study grows across sessions: phase ``lr`` is each method at each LR
@@ -29,7 +30,9 @@ low rank's).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -216,6 +219,53 @@ def verdicts(out: Path, rows: list[dict]) -> list[str]:
     return lines
 
 
+def lag(out: Path, lr: float, reference: str = "lowrank") -> str:
+    """Each method's distance behind ``reference`` (same LR, 20 tokens per parameter, seed 0) in
+    LR-integrated time: at each evaluation, the schedule's summed LR (in peak-LR steps) minus
+    the summed LR at which ``reference``'s validation curve (log-linear between evaluations)
+    reached the same perplexity (from the vocabulary's size, a uniform guess, at step 0). A
+    constant lag means "as fast per unit of LR, started behind";
+    a growing one, "learns more slowly". The re-warm-up's own ramp is not in the sum."""
+    from pufferfish.training.schedule import lr_at
+    from pufferfish.training.startup import load_run_config
+
+    def curve(path: Path, start: float) -> list[tuple[int, float]]:
+        rows = [json.loads(r) for r in (path / "evals.jsonl").read_text().splitlines() if r]
+        last = finished(path) or {}
+        return [(0, start), *((r["step"], r["val_ppl"]) for r in rows),
+                (last["steps"], last["val_ppl"])]
+
+    def reached(points: list[tuple[int, float]], tau: list[float], ppl: float) -> float | None:
+        for (s0, p0), (s1, p1) in itertools.pairwise(points):
+            if p0 >= ppl >= p1 and p0 > p1:
+                f = (math.log(p0) - math.log(ppl)) / (math.log(p0) - math.log(p1))
+                return tau[s0] + f * (tau[s1] - tau[s0])
+        return None
+
+    ref_path = run_dir(out, LR_BUDGET, reference, lr, 0)
+    if finished(ref_path) is None:
+        return f"{reference} at lr {lr:g} has not finished"
+    cfg = load_run_config(ref_path / "config.toml")
+    steps = finished(ref_path)["steps"]
+    tau = [0.0]
+    for step in range(steps):
+        tau.append(tau[-1] + lr_at(cfg, step, steps) / cfg.lr)
+    ref = curve(ref_path, float(cfg.vocab_size))  # at step 0 about uniform: the vocabulary
+    lines = [f"| method (lr {lr:g}) | " + " | ".join(f"step {s}" for s, _ in ref[1:]) + " |",
+             "|---|" + "---|" * (len(ref) - 1)]
+    for m in [*METHODS, *VARIANTS]:
+        path = run_dir(out, LR_BUDGET, m, lr, 0)
+        if m == reference or finished(path) is None:
+            continue
+        cells = []
+        for s, ppl in curve(path, float(cfg.vocab_size))[1:]:
+            at = reached(ref, tau, ppl)
+            cells.append(f"{ppl:.1f} ({'-' if at is None else f'{tau[s] - at:+.0f}'})")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return (f"validation perplexity (lag behind {reference} in LR-integrated steps: '-' where "
+            f"{reference} never had that perplexity)\n" + "\n".join(lines))
+
+
 def summary(out: Path, md: Path | None, png: Path | None) -> str:
     rows = table(out)
     text = ["| tokens/param | method | lr | seed | val ppl | test ppl | params | time (s) |",
@@ -279,7 +329,14 @@ def main() -> int:
     s.add_argument("out", type=Path)
     s.add_argument("--md", type=Path)
     s.add_argument("--png", type=Path)
+    g = sub.add_parser("lag")
+    g.add_argument("out", type=Path)
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--reference", default="lowrank", choices=list(METHODS))
     args = parser.parse_args()
+    if args.cmd == "lag":
+        print(lag(args.out, args.lr, args.reference))
+        return 0
     if args.cmd == "summary":
         print(summary(args.out, args.md, args.png))
         return 0

@@ -59,3 +59,22 @@ def test_unknown_method_is_refused_in_one_line(tmp_path: Path, bad: str) -> None
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "--methods" in done.stderr, done.stderr
+
+
+def test_lag_is_constant_for_a_curve_shifted_in_lr_time(tmp_path: Path) -> None:
+    """A run whose perplexities are the reference's one evaluation later lags by the LR summed
+    between those evaluations."""
+    curve = [(100, 300.0), (200, 100.0), (300, 50.0), (400, 30.0)]
+    behind = list(zip((100, 200, 300, 400), (900.0, 300.0, 100.0, 50.0), strict=True))
+    for method, points in (("lowrank", curve), ("puff10proj", behind)):
+        path = lm_budget.run_dir(tmp_path, 20.0, method, 1e-2, 0)
+        path.mkdir(parents=True)
+        (path / "config.toml").write_text('model = "llama"\nlr = 0.01\nschedule = "constant"\n'
+                                          "lr_warmup_epochs = 0.0\nepochs = 1\n")
+        (path / "evals.jsonl").write_text("".join(json.dumps({"step": s, "val_ppl": p}) + "\n"
+                                                  for s, p in points))
+        last = {"steps": 500, "val_ppl": points[-1][1] * 0.9, "test_ppl": 1.0}
+        (path / "metrics.jsonl").write_text(json.dumps(last) + "\n")
+    table = lm_budget.lag(tmp_path, 1e-2)
+    row = next(line for line in table.splitlines() if line.startswith("| puff10proj"))
+    assert row.count("(+100)") == 3, table  # constant LR: one evaluation = 100 steps
