@@ -50,18 +50,20 @@ METHODS: dict[str, tuple[list[str], list[float]]] = {
     "lowrank": (["--mode", "lowrank"], [3e-3, 1e-2, 1e-3]),
     "puff10proj": (["--mode", "pufferfish", "--warmup-steps", "0.10",
                     "--switch-momentum", "project"], [3e-3, 1e-2, 1e-3]),
-    "puff25reset": (["--mode", "pufferfish", "--warmup-steps", "0.25"], [3e-3, 1e-2, 1e-3]),
-    "puff10reset": (["--mode", "pufferfish", "--warmup-steps", "0.10"], [3e-3, 1e-2, 1e-3]),
-    "puff25proj": (["--mode", "pufferfish", "--warmup-steps", "0.25",
-                    "--switch-momentum", "project"], [3e-3, 1e-2, 1e-3]),
     "galore": (["--mode", "galore", "--galore-scale", "0.25"], [1e-2, 3e-2, 3e-3]),
 }
-# Item 5's candidates against the switch's cost, each a Pufferfish variant at its base method's
-# chosen LR (one trial each, on validation): name -> (flags, base method).
+# Pufferfish's other settings, each tried once at puff10proj's chosen LR (on validation): the
+# switch point, Adam's moments reset or projected, and candidates against the switch's cost.
+# name -> (flags, base method whose LR it takes). First in the queue, first run.
+PUFF = ["--mode", "pufferfish", "--switch-momentum"]
 VARIANTS: dict[str, tuple[list[str], str]] = {
-    "puff10proj-rw5": ([*METHODS["puff10proj"][0], "--switch-lr-warmup", "0.05"], "puff10proj"),
-    "puff2proj": (["--mode", "pufferfish", "--warmup-steps", "0.02",
-                   "--switch-momentum", "project"], "puff10proj"),
+    "puff2proj": ([*PUFF, "project", "--warmup-steps", "0.02"], "puff10proj"),
+    "puff25proj": ([*PUFF, "project", "--warmup-steps", "0.25"], "puff10proj"),
+    "puff10proj-rw5": ([*PUFF, "project", "--warmup-steps", "0.10", "--switch-lr-warmup", "0.05"],
+                       "puff10proj"),
+    "puff50proj": ([*PUFF, "project", "--warmup-steps", "0.50"], "puff10proj"),
+    "puff10reset": ([*PUFF, "reset", "--warmup-steps", "0.10"], "puff10proj"),
+    "puff25reset": ([*PUFF, "reset", "--warmup-steps", "0.25"], "puff10proj"),
 }
 LR_BUDGET, BUDGETS, SEEDS = 20.0, (1.0, 5.0, 20.0), (0, 1, 2)
 LADDER = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]  # where a grid grows past its edge
