@@ -200,12 +200,12 @@ def budget_claim(cache: Path) -> dict:
     out = cache / "lm-budget"
     command = f"python benchmarks/lm_budget.py run {out} --phase lr; ... --phase seeds"
     rows: list[dict[str, Any]] = []
-    verdicts: list[str] = []
+    verdicts: list[dict[str, Any]] = []
     if out.is_dir():
         import lm_budget
         rows, = (lm_budget.table(out),)
         verdicts = lm_budget.verdicts(out, rows) if rows else []
-    decided = [v for v in verdicts if "not enough seeds" not in v]
+    decided = [v for v in verdicts if v["matters"] is not None]
     methods = {}
     for r in rows:
         methods.setdefault(f"{r['method']} lr {r['lr']:g} @ {r['budget']:g} tok/param",
@@ -216,7 +216,10 @@ def budget_claim(cache: Path) -> dict:
                 r["method"] not in best or r["val_ppl"] < best[r["method"]]["val_ppl"]):
             best[r["method"]] = r
     so_far = ", ".join(f"{m} {r['test_ppl']:.2f} (lr {r['lr']:g})" for m, r in best.items())
-    ours = ("not run yet: " + command if not rows else "; ".join(decided) if decided else
+    pending = [f"{v['budget']:g}" for v in verdicts if v["matters"] is None]
+    ours = ("not run yet: " + command if not rows else "; ".join(v["text"] for v in decided)
+            + (f"; running at {', '.join(pending)} tokens/param" if pending else "")
+            if decided else
             f"running ({len(rows)} runs so far); test ppl at 20 tokens/param, seed 0, each "
             f"method's best LR so far on validation: {so_far}; no verdict before three seeds "
             "at each method's LR")
@@ -224,8 +227,8 @@ def budget_claim(cache: Path) -> dict:
         "lm-budget", "Language-model budget study: does the warm-up matter at N tokens/param?",
         "(not in the paper)", "test perplexity",
         "warm-up matters: full rank beats low rank from the start by > 2x the seed spread, and "
-        "Pufferfish recovers ≥ half of that gap", None if not decided else all(
-            "recovers" in v for v in decided), {m: stats(v) for m, v in methods.items()},
+        "Pufferfish recovers ≥ half of that gap", None if not decided else any(
+            v["matters"] for v in decided), {m: stats(v) for m, v in methods.items()},
         f"python benchmarks/lm_budget.py summary {out}", [out] if rows else [],
         "llama width 0.125 on kjv+gcide; LRs chosen on validation, reported on test.",
         "validation", ("LM budget study (llama ⅛, kjv+gcide)", "–", ours,

@@ -193,32 +193,44 @@ def table(out: Path) -> list[dict]:
     return rows
 
 
-def verdicts(out: Path, rows: list[dict]) -> list[str]:
-    """The decision rule at each budget where full, lowrank and a Pufferfish variant have 3 seeds
-    at their chosen LRs."""
-    lines = []
+def verdicts(out: Path, rows: list[dict]) -> list[dict]:
+    """The decision rule at each budget: ``{"budget", "text", "matters"}``, ``matters`` None until
+    full rank and low rank from the start have all seeds at their chosen LRs. Pufferfish is the
+    variant chosen on validation (:func:`best_pufferfish`), shown with the seeds it has so far and
+    judged with all; when full rank does not clearly beat low rank there is no gap to recover: no."""
+    out_rows = []
+    puff = best_pufferfish(out)
     for budget in BUDGETS:
         stats = {}
-        for m in [*METHODS, *VARIANTS]:
+        for m in ("full", "lowrank", *([puff] if puff else [])):
             lr = chosen_lr(out, m)
             vals = [r["test_ppl"] for r in rows if r["method"] == m and r["budget"] == budget
                     and r["lr"] == lr]
-            if len(vals) == len(SEEDS):
-                stats[m] = (sum(vals) / len(vals), max(vals) - min(vals))
-        if "full" not in stats or "lowrank" not in stats:
-            lines.append(f"{budget:g} tokens/param: not enough seeds yet")
+            if vals:
+                stats[m] = (sum(vals) / len(vals), max(vals) - min(vals), len(vals))
+        if any(stats.get(m, (0, 0, 0))[2] < len(SEEDS) for m in ("full", "lowrank")):
+            out_rows.append({"budget": budget, "matters": None,
+                             "text": f"{budget:g} tokens/param: not enough seeds yet"})
             continue
-        (f_mean, f_spread), (l_mean, l_spread) = stats["full"], stats["lowrank"]
-        gap = l_mean - f_mean
-        matters = gap > 2 * max(f_spread, l_spread)
-        line = (f"{budget:g} tokens/param: full {f_mean:.2f}, lowrank {l_mean:.2f} (gap "
-                f"{gap:+.2f}, 2x spread {2 * max(f_spread, l_spread):.2f}): full rank "
-                f"{'beats' if matters else 'does not clearly beat'} low rank from the start")
-        for m, (mean, _) in stats.items():
-            if m.startswith("puff") and matters:
-                line += f"; {m} recovers {(l_mean - mean) / gap:.0%} of the gap"
-        lines.append(line)
-    return lines
+        (f_mean, f_spread, _), (l_mean, l_spread, _) = stats["full"], stats["lowrank"]
+        gap, bar = l_mean - f_mean, 2 * max(f_spread, l_spread)
+        text = (f"{budget:g} tokens/param: full {f_mean:.2f}, lowrank {l_mean:.2f} (gap "
+                f"{gap:+.2f}, 2x spread {bar:.2f}): full rank "
+                f"{'beats' if gap > bar else 'does not clearly beat'} low rank from the start")
+        matters: bool | None = False
+        if gap > bar:
+            if puff in stats:
+                mean, _, n = stats[puff]
+                recovered = (l_mean - mean) / gap
+                text += (f"; Pufferfish ({puff}, {n} of {len(SEEDS)} seeds) {mean:.2f} recovers "
+                         f"{recovered:.0%} of the gap")
+                matters = recovered >= 0.5 if n == len(SEEDS) else None
+            else:
+                text, matters = text + "; Pufferfish not run yet", None
+        verdict = {True: "the warm-up matters", False: "the warm-up does not matter",
+                   None: "no verdict yet"}[matters]
+        out_rows.append({"budget": budget, "matters": matters, "text": f"{text}: {verdict}"})
+    return out_rows
 
 
 def lag(out: Path, lr: float, reference: str = "lowrank") -> str:
@@ -279,7 +291,7 @@ def summary(out: Path, md: Path | None, png: Path | None) -> str:
         f"{m} {chosen_lr(out, m) if chosen_lr(out, m) is not None else 'grid incomplete'}"
         for m in METHODS)
         + f"; Pufferfish's variant chosen on validation: {best_pufferfish(out)}", ""]
-    text += verdicts(out, rows)
+    text += [v["text"] for v in verdicts(out, rows)]
     if png is not None and rows:
         _plot(out, rows, png)
     result = "\n".join(text)

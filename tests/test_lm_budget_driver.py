@@ -15,8 +15,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import lm_budget  # noqa: E402
 
 
-def _finish(out: Path, method: str, lr: float, val: float, test: float = 0.0) -> None:
-    path = lm_budget.run_dir(out, 20.0, method, lr, 0)
+def _finish(out: Path, method: str, lr: float, val: float, test: float = 0.0,
+            budget: float = 20.0, seed: int = 0) -> None:
+    path = lm_budget.run_dir(out, budget, method, lr, seed)
     path.mkdir(parents=True)
     row = {"val_ppl": val, "test_ppl": test or val, "params": 1000, "epoch_time": 1.0}
     (path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
@@ -78,3 +79,25 @@ def test_lag_is_constant_for_a_curve_shifted_in_lr_time(tmp_path: Path) -> None:
     table = lm_budget.lag(tmp_path, 1e-2)
     row = next(line for line in table.splitlines() if line.startswith("| puff10proj"))
     assert row.count("(+100)") == 3, table  # constant LR: one evaluation = 100 steps
+
+
+@pytest.mark.parametrize(("puff_seeds", "puff_ppl", "matters"),
+                         [(3, 23.5, False), (3, 22.5, True), (1, 22.5, None), (1, 23.5, None)])
+def test_decision_rule(tmp_path: Path, puff_seeds: int, puff_ppl: float,
+                       matters: bool | None) -> None:
+    """Full rank 22 +- 0.1, low rank 24 +- 0.1 at 5 tokens/param: a gap of 2 > 2 x spread 0.2.
+    Pufferfish at 22.5 recovers 75% of it (matters), at 23.5 25% (does not); either way no
+    verdict before all of Pufferfish's seeds are in."""
+    for m, grid_vals in (("full", (30.0, 25.0, 21.0, 23.0)), ("lowrank", (30.0, 25.0, 21.0, 23.0)),
+                         ("puff10proj", (30.0, 25.0, 21.0, 23.0))):
+        for lr, val in zip((1e-3, 3e-3, 1e-2, 3e-2), grid_vals, strict=True):
+            _finish(tmp_path, m, lr, val)
+    for seed, delta in enumerate((0.0, 0.1, -0.1)):
+        _finish(tmp_path, "full", 1e-2, 22.0, 22.0 + delta, budget=5.0, seed=seed)
+        _finish(tmp_path, "lowrank", 1e-2, 24.0, 24.0 + delta, budget=5.0, seed=seed)
+    for seed in range(puff_seeds):
+        _finish(tmp_path, "puff10proj", 1e-2, puff_ppl, puff_ppl, budget=5.0, seed=seed)
+    rows = lm_budget.table(tmp_path)
+    by_budget = {v["budget"]: v for v in lm_budget.verdicts(tmp_path, rows)}
+    assert by_budget[5.0]["matters"] is matters, by_budget[5.0]["text"]
+    assert by_budget[1.0]["matters"] is None  # no seeds there
