@@ -44,3 +44,29 @@ def test_a_missing_checkpoint_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         f"factor_spectrum: checkpoint {str(tmp_path / 'ckpt-000000001.pt')!r} is not a file: "
         "allowed a ckpt-*.pt of a full-rank run"]
+
+
+def test_ranks_measure_how_evenly_a_factor_pair_uses_its_rank(tmp_path: Path) -> None:
+    """A factor pair whose product has equal singular values uses all r directions (effective
+    and stable rank r); one of rank 1 uses one; a dense weight is measured on its top r."""
+    import torch
+
+    from pufferfish.training.checkpoint import save_checkpoint
+
+    eye = torch.eye(16)
+    model = {"a.q_proj.u.weight": torch.cat([eye, torch.zeros(48, 16)]),  # 64x16
+             "a.q_proj.v.weight": torch.cat([eye, torch.zeros(16, 48)], dim=1),  # 16x64
+             "a.k_proj.u.weight": torch.ones(64, 16) / 8, "a.k_proj.v.weight": torch.ones(16, 64),
+             "a.v_proj.weight": torch.diag(torch.linspace(4.0, 1.0, 64))}
+    ckpt = save_checkpoint(tmp_path, {"config": {"rank_ratio": "0.25"}, "model": model}, step=1)
+    result = spectrum("--ranks", str(ckpt))
+    assert result.returncode == 0, result.stderr
+    header, row = (line.strip("|").split("|") for line in result.stdout.splitlines()
+                   if line.startswith("| checkpoint") or line.startswith(f"| {ckpt}"))
+    cells = {k.strip(): tuple(map(float, v.split("/"))) for k, v in zip(header[1:], row[1:],
+                                                                          strict=True)}
+    assert cells["q_proj"] == (16.0, 16.0)
+    assert cells["k_proj"][0] == 1.0 and cells["k_proj"][1] == 1.0
+    assert 15.0 < cells["v_proj"][0] <= 16.0 and 10.0 < cells["v_proj"][1] < 16.0
+    missing = spectrum("--ranks", str(tmp_path / "nope.pt"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
