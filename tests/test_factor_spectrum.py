@@ -1,4 +1,4 @@
-"""benchmarks/factor_spectrum.py on a real full-rank llama checkpoint: one row per factorized layer."""
+"""benchmarks/factor_spectrum.py and switch_moments.py on a real full-rank llama checkpoint."""
 
 from __future__ import annotations
 
@@ -6,25 +6,34 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_llama import llama_args
 from test_training import run_cli
 
 from pufferfish.training.checkpoint import latest_checkpoint
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks/factor_spectrum.py"
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPT = BENCH / "factor_spectrum.py"
 
 
-def spectrum(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+def spectrum(*args: str, script: Path = SCRIPT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
                           timeout=120)
 
 
-def test_rows_compare_initialization_with_the_checkpoint(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def full_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A full-rank llama run's last checkpoint (AdamW, the LM default)."""
+    tmp_path = tmp_path_factory.mktemp("llama")
     out = tmp_path / "full"
     trained = run_cli("train", *llama_args(tmp_path, "--mode", "full", "--epochs", "1",
                                            "--out", str(out)))
     assert trained.returncode == 0, trained.stderr[-3000:]
-    result = spectrum(str(latest_checkpoint(out)[1]))
+    return latest_checkpoint(out)[1]
+
+
+def test_rows_compare_initialization_with_the_checkpoint(full_checkpoint: Path) -> None:
+    result = spectrum(str(full_checkpoint))
     assert result.returncode == 0, result.stderr
     rows = [line.strip("|").split("|") for line in result.stdout.splitlines()
             if line.startswith("| layers.")]
@@ -70,3 +79,19 @@ def test_ranks_measure_how_evenly_a_factor_pair_uses_its_rank(tmp_path: Path) ->
     assert 15.0 < cells["v_proj"][0] <= 16.0 and 10.0 < cells["v_proj"][1] < 16.0
     missing = spectrum("--ranks", str(tmp_path / "nope.pt"))
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+
+
+def test_switch_moments_compare_the_projected_second_moment_with_measured_gradients(
+        full_checkpoint: Path) -> None:
+    """Every factor of the preset's layers gets a row; ratios are positive and finite, and the
+    correlated bound is never below the uncorrelated projection (Minkowski)."""
+    result = spectrum(str(full_checkpoint), "--batches", "2", script=BENCH / "switch_moments.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.strip("|").split("|") for line in result.stdout.splitlines()
+            if line.startswith("| ") and "_proj." in line]
+    kinds = {r[0].strip() for r in rows}
+    assert kinds == {f"{k}_proj.{f}" for k in ("q", "k", "v", "o", "gate", "up", "down")
+                     for f in ("u", "v")}
+    for row in rows:
+        projected, bound, dense = (float(c) for c in row[1:4])
+        assert 0 < projected <= bound * (1 + 1e-6) and 0 < dense < float("inf")
