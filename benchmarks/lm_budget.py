@@ -282,6 +282,40 @@ def lag(out: Path, lr: float, reference: str = "lowrank") -> str:
             f"{reference} never had that perplexity)\n" + "\n".join(lines))
 
 
+def _against(means: dict, m: str, k: str) -> str:
+    """``m``'s mean test perplexity against ``k``'s over the seeds both have (said if not all)."""
+    mine, theirs = dict(means[m][1]), dict(means[k][1]) if k in means else {}
+    common = sorted(set(mine) & set(theirs))
+    if k == m or not common:
+        return "–"
+    ratio = sum(mine[s] for s in common) / sum(theirs[s] for s in common) - 1
+    return f"{ratio:+.1%}" + ("" if len(common) == len(mine) == len(theirs)
+                              else f" (seeds {','.join(map(str, common))})")
+
+
+def seed_table(out: Path, rows: list[dict]) -> list[str]:
+    """Per budget, each method at its chosen LR: seeds, mean and spread of test perplexity, and
+    the mean against full rank's and low rank from the start's over the seeds both have."""
+    lines = ["| tokens/param | method | lr | seeds | test ppl, each | mean | spread | vs full | "
+             "vs lowrank |", "|---|---|---|---|---|---|---|---|---|"]
+    for budget in sorted(BUDGETS, reverse=True):
+        means = {}
+        for m in [*METHODS, *VARIANTS]:
+            lr = chosen_lr(out, m)
+            vals = sorted((r["seed"], r["test_ppl"]) for r in rows if r["method"] == m
+                          and r["budget"] == budget and r["lr"] == lr)
+            if len(vals) > (budget == LR_BUDGET):  # at 20, seed 0 alone is the LR trial
+                means[m] = (lr, vals)
+        for m, (lr, vals) in means.items():
+            mean = sum(v for _, v in vals) / len(vals)
+            rel = {k: _against(means, m, k) for k in ("full", "lowrank")}
+            lines.append(f"| {budget:g} | {m} | {lr:g} | {len(vals)} | "
+                         + " / ".join(f"{v:.2f}" for _, v in vals)
+                         + f" | {mean:.2f} | {max(v for _, v in vals) - min(v for _, v in vals):.2f}"
+                         f" | {rel['full']} | {rel['lowrank']} |")
+    return lines
+
+
 def summary(out: Path, md: Path | None, png: Path | None) -> str:
     rows = table(out)
     text = ["| tokens/param | method | lr | seed | val ppl | test ppl | params | time (s) |",
@@ -294,6 +328,8 @@ def summary(out: Path, md: Path | None, png: Path | None) -> str:
         for m in METHODS)
         + f"; Pufferfish's variant chosen on validation: {best_pufferfish(out)}", ""]
     text += [v["text"] for v in verdicts(out, rows)]
+    text += ["", "Each method at its chosen LR: test perplexity over seeds", "",
+             *seed_table(out, rows)]
     if png is not None and rows:
         _plot(out, rows, png)
     result = "\n".join(text)
