@@ -218,7 +218,9 @@ def verdicts(out: Path, rows: list[dict]) -> list[dict]:
         gap, bar = l_mean - f_mean, 2 * max(f_spread, l_spread)
         text = (f"{budget:g} tokens/param: full {f_mean:.2f}, lowrank {l_mean:.2f} (gap "
                 f"{gap:+.2f}, 2x spread {bar:.2f}): full rank "
-                f"{'beats' if gap > bar else 'does not clearly beat'} low rank from the start")
+                + ("beats low rank from the start" if gap > bar else
+                   "is beaten by low rank from the start" if -gap > bar else
+                   "does not clearly beat low rank from the start"))
         matters: bool | None = False
         if gap > bar:
             if puff in stats:
