@@ -63,6 +63,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
                        "puff10proj"),
     "puff1step": ([*PUFF, "project", "--warmup-steps", "1"], "puff10proj"),
     "puff2reset": ([*PUFF, "reset", "--warmup-steps", "0.02"], "puff10proj"),
+    "puff10reset-rw5": ([*PUFF, "reset", "--warmup-steps", "0.10", "--switch-lr-warmup", "0.05"],
+                        "puff10proj"),  # ReLoRA's own pairing: fresh moments, LR ramped again
     "puff50proj": ([*PUFF, "project", "--warmup-steps", "0.50"], "puff10proj"),
     "puff10reset": ([*PUFF, "reset", "--warmup-steps", "0.10"], "puff10proj"),
     "puff25reset": ([*PUFF, "reset", "--warmup-steps", "0.25"], "puff10proj"),
