@@ -354,7 +354,7 @@ def _plot(out: Path, rows: list[dict], png: Path) -> None:
         for r in rows:
             if r["method"] == m and r["lr"] == lr:
                 points.setdefault(r["budget"], []).append(r["test_ppl"])
-        if points:
+        if len(points) > 1:  # a setting tried at one budget only is in the tables, not here
             xs = sorted(points)
             ax.errorbar(xs, [sum(points[x]) / len(points[x]) for x in xs],
                         yerr=[(max(points[x]) - min(points[x])) / 2 for x in xs],
