@@ -147,8 +147,9 @@ def queue(out: Path, phase: str, methods: list[str],
         todo = []
         for seed in SEEDS:
             for budget in sorted(budgets, reverse=True):
-                for m in methods:
-                    if m == "pufferfish" and (m := best_pufferfish(out) or "") == "":
+                for name in methods:
+                    m = best_pufferfish(out) if name == "pufferfish" else name
+                    if m is None:  # no Pufferfish setting has finished at 20 yet
                         continue
                     lr = chosen_lr(out, m)
                     if lr is not None:
