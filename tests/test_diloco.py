@@ -300,6 +300,28 @@ def test_bench_knows_the_diloco_methods(tmp_path: Path) -> None:
     assert "--sync" not in _train_argv(plain, "pufferfish", tmp_path / "r")
 
 
+@needs_fashion
+def test_bench_times_diloco_as_local_steps_plus_an_outer_step_per_h(tmp_path: Path) -> None:
+    """``pufferfish bench`` measures DiLoCo methods beside DDP: each timed step is a local step
+    plus one outer step's all-reduce over H, and so is its payload."""
+    import json
+
+    from pufferfish.cli import main
+
+    assert main(["bench", "--model", "resnet18", "--width", "0.125", "--batch-size", "8",
+                 "--steps", "2", "--warmup", "2", "--compute-steps", "2", "--threads", "1",
+                 "--no-probe", "--rounds", "1", "--methods", "ddp,diloco,pufferfish+diloco",
+                 "--inner-steps", "4", "--out", str(tmp_path)]) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    ddp, diloco, puff = rows["ddp"], rows["diloco"], rows["pufferfish+diloco"]
+    assert diloco["inner_steps"] == 4 and diloco["bucket_mib"] is None
+    assert diloco["bytes_per_step"] == pytest.approx(ddp["bytes_per_step"] / 4, rel=0.01)
+    assert puff["bytes_per_step"] < 0.8 * diloco["bytes_per_step"]  # the factorized model's
+    for r in (diloco, puff):
+        assert r["step_time"] == pytest.approx(r["compute_time"] + r["outer_step_time"] / 4,
+                                               rel=0.5)
+
+
 # ResNet-18 (BatchNorm), 1,024 images, 2 epochs, 8 steps per epoch per process.
 BN_RUN = ["--model", "resnet18", "--width", "0.25", "--train-subset", "1024", "--test-subset", "500",
           "--epochs", "2", "--batch-size", "64", "--seed", "0", "--threads", "1", "--no-progress",

@@ -260,6 +260,8 @@ def _measure(cfg: BenchConfig, log: Log) -> dict[str, Any]:
                         f"(compress {rec['compress_time']:.4f}); "
                         f"{rec['bytes_per_step'] / 1e6:.3f} MB/step; "
                         + ("FSDP2" if rec.get("parallel") == "fsdp" else
+                           f"DiLoCo, an outer step every {rec['inner_steps']} steps"
+                           if "inner_steps" in rec else
                            f"buckets {rec.get('bucket_mib') or 'torch'}"))
                 if err is not None:
                     done = {rec["method"] for rec in got}

@@ -417,6 +417,7 @@ def _measure_diloco(args: argparse.Namespace, method: str,
         "collectives_per_step": 1.0 / h, "outer_step_time": statistics.median(syncs),
         "inner_steps": h, "params": sum(p.numel() for p in model.parameters()),
         "params_full": full_params, "factorized": factorized, "hook": hook,
+        "bucket_mib": None, "bucket_trial_ms": None,  # no DDP, so no buckets (as FSDP2's)
     }
 
 
@@ -456,6 +457,9 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             )
         },
         **{k: r0[k] for k in SHARDED_COUNTS if k in r0},  # FSDP2 methods only
+        **({"inner_steps": r0["inner_steps"],  # DiLoCo methods only: the slowest outer step
+            "outer_step_time": max(r["outer_step_time"] for r in per_rank)}
+           if "inner_steps" in r0 else {}),
         "per_rank": per_rank,
     }
 
