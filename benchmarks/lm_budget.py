@@ -162,13 +162,18 @@ def flags(method: str) -> list[str]:
 
 
 def launch(out: Path, budget: float, method: str, lr: float, seed: int) -> bool:
-    path = run_dir(out, budget, method, lr, seed)
+    return train(run_dir(out, budget, method, lr, seed), flags(method), lr, seed, budget)
+
+
+def train(path: Path, method_flags: list[str], lr: float, seed: int, budget: float) -> bool:
+    """One 2-process run of the study's recipe (``BASE``) with ``method_flags`` into ``path``,
+    resumed from its newest checkpoint if it has one; True when it finished."""
     path.parent.mkdir(parents=True, exist_ok=True)
     # A run stopped after a checkpoint resumes; one stopped before its first starts again.
     resume = (["--resume", "auto"] if latest_checkpoint(path) is not None else
               ["--overwrite"] if path.is_dir() else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "pufferfish", "train", *BASE, *flags(method), "--lr", f"{lr:g}",
+           "2", "-m", "pufferfish", "train", *BASE, *method_flags, "--lr", f"{lr:g}",
            "--seed", str(seed), "--tokens-per-param", f"{budget:g}", "--out", str(path), *resume]
     with open(f"{path}.log", "a") as log:
         log.write(" ".join(cmd) + "\n")

@@ -1,0 +1,190 @@
+"""The budget study over slow links: time to a target perplexity at 20 tokens per parameter.
+
+Six methods of ``benchmarks/lm_budget.py``'s recipe (llama width 0.125, 16,384 tokens a step,
+AdamW, seed 0), full-rank ones at full rank's LR chosen on validation and Pufferfish ones as the
+setting chosen there (``best_pufferfish``) at its LR: DDP and Pufferfish are the study's own
+runs; PowerSGD (rank 4), Pufferfish + PowerSGD, DiLoCo (H = 30, AdamW inner steps) and Pufferfish
++ DiLoCo are trained here into ``OUT/links/``. ``pufferfish bench`` measures the same model's step
+time of each method over loopback and emulated links (the same optimizer, AdamW, for every
+method); the time to the target is the steps a run needed to reach it times those step times
+(before a Pufferfish switch at its full-rank counterpart's).
+
+    python benchmarks/lm_links.py run OUT [--dry-run]          # the four training runs
+    sudo python benchmarks/lm_links.py bench OUT [--bandwidth loopback,100mbit,10mbit]
+    python benchmarks/lm_links.py table OUT [--md FILE]
+
+The target is DDP's final validation perplexity + 5%, crossed on the validation curve (every
+100 steps, log-linear between evaluations): test perplexity is measured once, at the end (its
+column), so a crossing cannot be read on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lm_budget as study  # benchmarks/ is not a package: its folder on the path
+
+H = 30  # DiLoCo's inner steps
+# bench method -> (factorized: the chosen Pufferfish setting, else full rank; extra train flags)
+LINK_METHODS: dict[str, tuple[bool, list[str]]] = {
+    "ddp": (False, []),
+    "powersgd": (False, ["--comm", "powersgd"]),
+    "pufferfish": (True, []),
+    "pufferfish+powersgd": (True, ["--comm", "powersgd"]),
+    "diloco": (False, ["--sync", "diloco", "--inner-steps", str(H)]),
+    "pufferfish+diloco": (True, ["--sync", "diloco", "--inner-steps", str(H)]),
+}
+FULL_PHASE = {"pufferfish": "ddp", "pufferfish+powersgd": "powersgd",
+              "pufferfish+diloco": "diloco"}  # what a Pufferfish run is before its switch
+TARGET_MARGIN = 0.05
+BENCH = ["--model", "llama", "--width", "0.125", "--vocab-size", "1024", "--seq-len", "128",
+         "--batch-size", "64", "--threads", "1", "--bucket-mb", "torch", "--inner-steps", str(H),
+         "--steps", "10", "--warmup", "10", "--compute-steps", "5", "--rounds", "2"]
+
+
+def runs(out: Path) -> dict[str, tuple[Path, list[str], float]]:
+    """Method -> (run directory, train flags, LR); empty until the study has chosen its LRs."""
+    full_lr, puff = study.chosen_lr(out, "full"), study.best_pufferfish(out)
+    puff_lr = None if puff is None else study.chosen_lr(out, puff)
+    if full_lr is None or puff is None or puff_lr is None:
+        return {}
+    found = {}
+    for method, (factorized, extra) in LINK_METHODS.items():
+        base, lr = (puff, puff_lr) if factorized else ("full", full_lr)
+        path = (study.run_dir(out, study.LR_BUDGET, base, lr, 0) if not extra else
+                out / "links" / f"{method}-lr{lr:g}-s0")
+        found[method] = (path, [*study.flags(base), *extra], lr)
+    return found
+
+
+def _curve(path: Path) -> list[tuple[int, float]]:
+    """(step, validation perplexity) of every evaluation and the end."""
+    rows = [json.loads(r) for r in (path / "evals.jsonl").read_text().splitlines() if r]
+    last = study.finished(path) or {}
+    points = [(r["step"], r["val_ppl"]) for r in rows]
+    if last and (not points or points[-1][0] < last["steps"]):
+        points.append((last["steps"], last["val_ppl"]))
+    return points
+
+
+def steps_to(points: list[tuple[int, float]], target: float) -> float | None:
+    """The step where the curve first reaches ``target`` (log-linear between evaluations;
+    None: never)."""
+    if points and points[0][1] <= target:
+        return float(points[0][0])
+    for (s0, p0), (s1, p1) in itertools.pairwise(points):
+        if p1 <= target < p0:
+            return s0 + (s1 - s0) * (math.log(p0) - math.log(target)) / (
+                math.log(p0) - math.log(p1))
+    return None
+
+
+def switch_step(path: Path) -> int:
+    """The step a Pufferfish run switched at (0 for a full-rank run)."""
+    report = path / "factorization.json"
+    return json.loads(report.read_text())["step"] if report.is_file() else 0
+
+
+def step_times(bench: Path) -> dict[tuple[str, str], dict]:
+    """(method, link) -> the bench's row: step time (median over rounds) and its spread."""
+    data = json.loads((bench / "results.json").read_text())
+    return {(r["method"], r["bandwidth"]): r for r in data["rows"]}
+
+
+def table(out: Path) -> str:
+    found = runs(out)
+    bench = out / "links" / "bench"
+    if not found or not (bench / "results.json").is_file():
+        return "lm_links: the study's LRs, the four runs and the bench are all needed first"
+    times = step_times(bench)
+    links = list(dict.fromkeys(link for _, link in times))
+    ddp_last = study.finished(found["ddp"][0])
+    if ddp_last is None:
+        return "lm_links: DDP's run has not finished"
+    target = ddp_last["val_ppl"] * (1 + TARGET_MARGIN)
+    lines = [f"Target: validation perplexity {target:.2f} (DDP's final {ddp_last['val_ppl']:.2f} "
+             f"+ {TARGET_MARGIN:.0%}).", "",
+             "| method | params | final val ppl | final test ppl | MB sent per step | steps to "
+             "target | " + " | ".join(f"step ms, {link}" for link in links) + " | "
+             + " | ".join(f"time to target, {link}" for link in links) + " |",
+             "|---|---|---|---|---|---|" + "---|" * (2 * len(links))]
+    for method, (path, _, lr) in found.items():
+        last = study.finished(path)
+        if last is None:
+            lines.append(f"| {method} | not run yet |" + " |" * (4 + 2 * len(links)))
+            continue
+        rows = {link: times.get((method, link)) for link in links}
+        bench_params = next((r["params"] for r in rows.values() if r), None)
+        if bench_params not in (None, last["params"]):
+            return (f"lm_links: the bench's {method} has {bench_params} parameters, its run "
+                    f"{path} {last['params']}: not the same model")
+        reach, switch = steps_to(_curve(path), target), switch_step(path)
+        cells_ms, cells_t = [], []
+        for link in links:
+            row, before = rows[link], times.get((FULL_PHASE.get(method, method), link))
+            if row is None or before is None:
+                cells_ms.append("–"), cells_t.append("–")
+                continue
+            cells_ms.append(f"{row['step_time'] * 1e3:.0f} [{row['spread']['step_time'][0] * 1e3:.0f}"
+                            f"–{row['spread']['step_time'][1] * 1e3:.0f}]")
+            if reach is None:
+                cells_t.append("not reached")
+                continue
+            early = min(switch, reach) if method in FULL_PHASE else 0
+            cells_t.append(f"{early * before['step_time'] + (reach - early) * row['step_time']:,.0f} s")
+        lines.append(f"| {method} (lr {lr:g}) | {last['params'] / 1e6:.2f}M | {last['val_ppl']:.2f} | "
+                     f"{last['test_ppl']:.2f} | {last['comm_bytes_per_step'] / 1e6:.3f} | "
+                     f"{'–' if reach is None else f'{reach:.0f}'} | " + " | ".join(cells_ms)
+                     + " | " + " | ".join(cells_t) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("out", type=Path)
+    r.add_argument("--dry-run", action="store_true")
+    b = sub.add_parser("bench")
+    b.add_argument("out", type=Path)
+    b.add_argument("--bandwidth", default="loopback,100mbit,10mbit")
+    t = sub.add_parser("table")
+    t.add_argument("out", type=Path)
+    t.add_argument("--md", type=Path)
+    args = parser.parse_args()
+    found = runs(args.out)
+    if not found:
+        print("lm_links: the study has not chosen full rank's LR and a Pufferfish setting yet "
+              "(benchmarks/lm_budget.py run OUT --phase lr, --phase variants)", file=sys.stderr)
+        return 2
+    if args.cmd == "run":
+        for path, method_flags, lr in found.values():
+            if study.finished(path) is not None:
+                continue
+            if args.dry_run:
+                print("would run:", path)
+            else:
+                study.train(path, method_flags, lr, 0, study.LR_BUDGET)
+        return 0
+    if args.cmd == "bench":
+        cmd = [sys.executable, "-m", "pufferfish", "bench", *BENCH, "--methods",
+               ",".join(LINK_METHODS), "--bandwidth", args.bandwidth,
+               "--out", str(args.out / "links" / "bench")]
+        print(" ".join(cmd), flush=True)
+        return subprocess.call(cmd)
+    text = table(args.out)
+    print(text)
+    if args.md is not None:
+        args.md.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
