@@ -34,10 +34,13 @@ GALORE_PROJ_TYPES = ("std", "reverse_std", "right", "left", "full")
 # Defaults that differ by model: load_config applies them to the keys that neither the TOML file
 # nor a flag sets, and optimizer "auto" reads its choice here (sgd for a model not listed: the
 # paper's recipe for the CNNs, the LSTM and the small transformer is unchanged). The LM recipe:
-# AdamW with decay / no-decay groups, linear LR warm-up then cosine decay, clipping at 1.
+# AdamW with decay / no-decay groups, linear LR warm-up then cosine decay, clipping at 1; and no
+# full-rank warm-up (the factors from the initialization's SVD, as --mode lowrank): the best on
+# validation at 1, 5 and 20 tokens per parameter (docs/benchmarks.md, "Language models at a
+# budget"). A --warmup-epochs or --warmup-steps of the user's still switches later.
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1, "schedule": "cosine",
-              "lr_warmup_epochs": 0.1, "grad_clip": 1.0},
+              "lr_warmup_epochs": 0.1, "grad_clip": 1.0, "warmup_epochs": "0"},
 }
 SYNCS = ("ddp", "diloco")
 PARALLEL = ("ddp", "fsdp")

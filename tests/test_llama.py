@@ -13,6 +13,7 @@ import torch
 from test_training import metrics, run_cli, tiny_corpus
 
 import pufferfish as pf
+from pufferfish.configfile import load_config
 from pufferfish.data import DataError, PackedLoader, load_bpe_corpus
 from pufferfish.data import bpe as bpe_module
 from pufferfish.models import build_at_width
@@ -232,12 +233,12 @@ def test_hf_trainer_callback_switches_hf_llama_with_the_paper_preset(tmp_path: P
     from pufferfish.lowrank import LowRankModule
 
     model = tiny_hf_llama()
-    callback = PufferfishCallback(warmup_epochs=1, preset="paper", verbose=False)
+    callback = PufferfishCallback(preset="paper", verbose=False)  # the preset's warm-up: none
     trainer = transformers.Trainer(model=model, args=training_arguments(str(tmp_path),
                                                                         num_train_epochs=2),
                                    train_dataset=Tokens(), callbacks=[callback])
     trainer.train()
-    assert callback.recipe.switched_at == 1
+    assert callback.recipe.switched_at == 0
     assert set(callback.report.ranks) == _expected_factorized("model.", 3)
     low = {n for n, m in model.named_modules() if isinstance(m, LowRankModule)}
     assert low == _expected_factorized("model.", 3)
@@ -246,6 +247,24 @@ def test_hf_trainer_callback_switches_hf_llama_with_the_paper_preset(tmp_path: P
     assert all(id(p) in in_optimizer for p in model.parameters())
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses and all(math.isfinite(v) for v in losses)
+
+
+def test_the_llama_preset_sets_the_warm_up_only_where_the_user_did_not() -> None:
+    """LLaMA-style decoders train low rank from the start by default (the CLI's --model llama
+    too); a warm-up the user gives is kept, and a model without its own keeps the default 2."""
+    from pufferfish.integrations.core import TrainerSwitch
+
+    def warmup(model: torch.nn.Module, **given: object) -> object:
+        switch = TrainerSwitch(verbose=False, **given)
+        switch.start(model, 0.0, resumed=False)
+        return switch.recipe.warmup_epochs
+
+    llama = tiny_hf_llama(layers=2)
+    assert warmup(llama) == 0 and warmup(llama, warmup_epochs=1) == 1
+    assert warmup(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))) == 2
+    assert load_config(overrides={"model": "llama"}).switch_epoch == 0
+    assert load_config(overrides={"model": "llama", "warmup_epochs": "1"}).switch_epoch == 1
+    assert load_config(overrides={"model": "resnet18"}).warmup_epochs == "20%"
 
 
 def test_resume_after_the_switch_replays_the_run(tmp_path: Path) -> None:

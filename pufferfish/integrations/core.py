@@ -39,6 +39,7 @@ from ..distributed import fsdp
 from ..distributed.env import ddp_options, rebuild_ddp_in_place
 from ..lowrank import LowRankModule, load_factorized
 from ..lowrank.factorize import factorizable_modules
+from ..lowrank.presets import presets_of
 from ..recipe import ParameterSwap, Recipe, swap_parameters
 
 __all__ = ["TrainerSwitch", "optimizer_order", "rebuild_on_load", "restore_order"]
@@ -50,8 +51,10 @@ class TrainerSwitch:
     """A :class:`~pufferfish.Recipe` driven by a trainer's events; the core of each callback.
 
     Args:
-        warmup_epochs: the switch at the start of this epoch (or ``"auto"``), as in ``Recipe``;
-            2 when neither it nor ``warmup_steps`` is given.
+        warmup_epochs: the switch at the start of this epoch (or ``"auto"``), as in ``Recipe``.
+            When neither it nor ``warmup_steps`` is given: the model's preset's own
+            (``PRESETS[preset]["warmup_epochs"]``: 0 for LLaMA-style decoders, the best on
+            validation at every language-model budget measured), else 2.
         warmup_steps: instead, the switch before this optimizer step (runs that count steps).
         verbose: print the factorization report when switching (rank 0 only).
         recipe_options: every other argument of :class:`~pufferfish.Recipe` (``rank_ratio``,
@@ -71,6 +74,7 @@ class TrainerSwitch:
         self.warmup_steps = warmup_steps
         epochs = 0 if warmup_steps is not None else (2 if warmup_epochs is None else warmup_epochs)
         self.recipe = Recipe(warmup_epochs=epochs, **recipe_options)
+        self._model_decides = warmup_epochs is None and warmup_steps is None
         self.verbose = verbose
         self.switched_at_step: int | None = None
         self.parameter_swaps: list[ParameterSwap] = []
@@ -89,6 +93,10 @@ class TrainerSwitch:
         self._observed_slot = math.floor(epoch * OBSERVATIONS_PER_EPOCH + 1e-9)
         if self.switched:
             return
+        if self._model_decides:  # no warm-up given: the model's preset may carry its own
+            policy = self.recipe.switch_owner.policy
+            preset = presets_of(module).get(self.recipe.switch_owner.plan.preset or "paper", {})
+            policy.warmup_epochs = preset.get("warmup_epochs", policy.warmup_epochs)
         if self.recipe.detector is None or not resumed:
             self.recipe.observe(0, module)  # a check only, for fixed choices
 

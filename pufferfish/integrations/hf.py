@@ -53,7 +53,8 @@ class PufferfishCallback(TrainerCallback, ExportableState):
     """Full-rank warm-up, then the switch to the factorized model, inside ``Trainer.train``.
 
     Args:
-        warmup_epochs: full-rank epochs before the switch (default 2), or ``"auto"``.
+        warmup_epochs: full-rank epochs before the switch, or ``"auto"`` (default: the model's
+            preset's, 0 for LLaMA-style decoders, else 2).
         rank_ratio, keep: as in :class:`pufferfish.Recipe`.
         warmup_steps: instead of ``warmup_epochs``: optimizer steps before the switch.
         verbose: print the factorization report at the switch (rank 0 only).

@@ -1,5 +1,9 @@
 """Named choices of full-rank layers (``preset="paper"``), found on the model or by its class name.
 
+A preset is ``{"keep": [patterns]}``, and may name the model's own warm-up (``"warmup_epochs"``,
+what the trainer callbacks use when the user gives none: LLaMA-style decoders train low rank
+from the start).
+
 A model class may carry its own ``PRESETS`` (the models in :mod:`pufferfish.models` do). A
 library's class cannot, so presets for it are registered here by class name. Hugging Face's
 LLaMA-style decoders (``LlamaForCausalLM`` and the families with the same module names) take the

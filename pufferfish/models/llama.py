@@ -109,7 +109,10 @@ class Llama(nn.Module):
         # Factorize q, k, v, o and gate, up, down of every block; keep the token embedding, the
         # output head and the whole first block full-rank (the paper's "first layers"). Norms are
         # no low-rank layer type. ``*`` crosses dots: ``layers.0.*`` here, ``model.layers.0.*`` in HF.
-        "paper": {"keep": ["*embed_tokens", "*lm_head", "*layers.0.*"]},
+        # No full-rank warm-up by default (the trainer callbacks' default; the CLI's is in
+        # config.MODEL_DEFAULTS): low rank from the start was the best on validation at 1, 5
+        # and 20 tokens per parameter (docs/benchmarks.md, "Language models at a budget").
+        "paper": {"keep": ["*embed_tokens", "*lm_head", "*layers.0.*"], "warmup_epochs": 0},
     }
 
     def __init__(self, vocab_size: int, dim: int = 512, n_layers: int = 8, n_heads: int = 8,
