@@ -24,6 +24,7 @@ from torch import nn
 
 import pufferfish as pf
 from pufferfish.distributed import fsdp
+from pufferfish.distributed.env import cleanup, exit_process
 from pufferfish.models import build_at_width
 
 
@@ -78,5 +79,5 @@ if __name__ == "__main__":
     row = case(name, width, sys.argv[3] == "sharded" if len(sys.argv) > 3 else True)
     if dist.get_rank() == 0:
         print(json.dumps(row), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    cleanup()  # no interpreter shutdown after a gloo group (docs/reliability.md)
+    exit_process(0)

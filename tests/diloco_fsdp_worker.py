@@ -22,6 +22,7 @@ from torch import nn
 
 from pufferfish.distributed import fsdp
 from pufferfish.distributed.diloco import DiLoCoState
+from pufferfish.distributed.env import cleanup, exit_process
 from pufferfish.distributed.replicas import replica_mesh
 
 warnings.simplefilter("ignore")
@@ -100,8 +101,9 @@ def main(out: Path) -> None:
                                                 for b, m in zip(mine, buffers)))
     if rank == 0:
         out.write_text(json.dumps(found))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    cleanup()  # no interpreter shutdown after a gloo group (docs/reliability.md)
+    exit_process(0)

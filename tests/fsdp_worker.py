@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 import pufferfish as pf
 from pufferfish.distributed import fsdp
+from pufferfish.distributed.env import cleanup, exit_process
 from pufferfish.models import build_at_width
 from pufferfish.training import checkpoint as ckpt
 
@@ -250,5 +251,5 @@ if __name__ == "__main__":
     {"recipe": lambda: recipe(out), "save": lambda: save(out),
      "lightning": lambda: lightning(out, sys.argv[3]), "count": lambda: count(out),
      "load": lambda: load(out, Path(sys.argv[3]) if len(sys.argv) > 3 else None)}[mode]()
-    dist.barrier()
-    dist.destroy_process_group()
+    cleanup()  # a barrier, then the group torn down; no interpreter shutdown after a group:
+    exit_process(0)  # a gloo thread may still release a Python object (docs/reliability.md)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -73,4 +75,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # No interpreter shutdown after a gloo group (as pufferfish.distributed.env.exit_process,
+    # without importing the package): docs/reliability.md, "No abort at exit".
+    sys.stdout.flush()
+    os._exit(code)
