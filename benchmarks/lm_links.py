@@ -46,7 +46,7 @@ FULL_PHASE = {"pufferfish": "ddp", "pufferfish+powersgd": "powersgd",
 TARGET_MARGIN = 0.05
 BENCH = ["--model", "llama", "--width", "0.125", "--vocab-size", "1024", "--seq-len", "128",
          "--batch-size", "64", "--threads", "1", "--bucket-mb", "torch", "--inner-steps", str(H),
-         "--steps", "10", "--warmup", "10", "--compute-steps", "5", "--rounds", "2"]
+         "--steps", "10", "--warmup", "3", "--compute-steps", "5", "--rounds", "2"]
 
 
 def runs(out: Path) -> dict[str, tuple[Path, list[str], float]]:

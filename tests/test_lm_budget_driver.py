@@ -4,6 +4,7 @@ chosen on validation, and the seeds phase runs the Pufferfish variant best on va
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,56 @@ def test_decision_rule(tmp_path: Path, puff_seeds: int, puff_ppl: float,
     by_budget = {v["budget"]: v for v in lm_budget.verdicts(tmp_path, rows)}
     assert by_budget[5.0]["matters"] is matters, by_budget[5.0]["text"]
     assert by_budget[1.0]["matters"] is None  # no seeds there
+
+
+def _curve_run(path: Path, curve: list[tuple[int, float]], params: int, switch: int = 0) -> None:
+    """A finished run whose validation curve is ``curve`` (the last point its end)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "evals.jsonl").write_text("".join(
+        json.dumps({"step": s, "val_ppl": p}) + "\n" for s, p in curve[:-1]))
+    steps, val = curve[-1]
+    (path / "metrics.jsonl").write_text(json.dumps(
+        {"val_ppl": val, "test_ppl": val, "params": params, "steps": steps, "epoch_time": 1.0,
+         "comm_bytes_per_step": 4.0 * params}) + "\n")
+    if switch:
+        (path / "factorization.json").write_text(json.dumps({"step": switch}))
+
+
+def test_links_time_to_target_is_steps_to_it_times_each_phases_step(tmp_path: Path) -> None:
+    """DDP ends at 20.0 (target 21.0); Pufferfish + DiLoCo crosses it halfway between steps 100
+    and 200 in log perplexity; its 30 steps before the switch take DiLoCo's step time."""
+    import lm_links
+
+    for lr, val in ((1e-3, 30.0), (3e-3, 25.0), (1e-2, 28.0)):
+        _finish(tmp_path, "full", lr, val)
+        _finish(tmp_path, "puff10proj", lr, val)
+    runs = lm_links.runs(tmp_path)
+    assert set(runs) == set(lm_links.LINK_METHODS) and runs["ddp"][2] == 3e-3
+    assert runs["diloco"][1][-4:] == ["--sync", "diloco", "--inner-steps", "30"]
+    full, puff = 1000, 600
+    for method, (path, _, _) in runs.items():
+        shutil.rmtree(path, ignore_errors=True)  # the LR trials' own rows, replaced by curves
+        factorized = method.startswith("pufferfish")
+        low = 21.0  # at step 100: 21^2 / 19, so 21.0 is halfway in log to step 200's 19.0
+        curve = ([(100, low * low / 19.0), (200, 19.0), (300, 18.5)] if method == "pufferfish+diloco"
+                 else [(100, 40.0), (200, 30.0), (300, 20.0)] if method == "ddp"
+                 else [(100, 50.0), (200, 45.0), (300, 24.0 if method == "pufferfish" else 44.0)])
+        _curve_run(path, curve, puff if factorized else full, switch=30 if factorized else 0)
+    bench = tmp_path / "links" / "bench"
+    bench.mkdir(parents=True)
+    rows = [{"method": m, "bandwidth": "10mbit", "step_time": t, "params": p,
+             "spread": {"step_time": [t, t]}}
+            for m, t, p in (("ddp", 2.0, full), ("diloco", 0.5, full), ("pufferfish+diloco", 0.25, puff),
+                            ("powersgd", 1.0, full), ("pufferfish", 1.5, puff),
+                            ("pufferfish+powersgd", 0.9, puff))]
+    (bench / "results.json").write_text(json.dumps({"rows": rows}))
+    table = lm_links.table(tmp_path)
+    line = next(x for x in table.splitlines() if x.startswith("| pufferfish+diloco"))
+    # reached at step 150: 30 steps at DiLoCo's 0.5 s, 120 at its own 0.25 s = 45 s
+    assert "| 150 |" in line and line.rstrip(" |").endswith("45 s"), line
+    ddp = next(x for x in table.splitlines() if x.startswith("| ddp"))
+    assert "| 288 |" in ddp, ddp  # 30 -> 20 over steps 200-300: 21 is log(30/21) / log(30/20) = 0.88 in
+    assert "not reached" in next(x for x in table.splitlines() if x.startswith("| powersgd"))
+    rows[0]["params"] = 999  # the bench measured another model: refused, not mixed
+    (bench / "results.json").write_text(json.dumps({"rows": rows}))
+    assert "not the same model" in lm_links.table(tmp_path)
