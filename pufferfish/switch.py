@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .auto import (
@@ -272,7 +271,7 @@ class FactorizationPlan:
             self.report = factorize(model, **kwargs)
         if sharded:  # every rank shards its own copy: they must be the same
             fsdp.check_replicated((n, p) for n, p in model.named_parameters()
-                                  if not isinstance(p, DTensor))
+                                  if not fsdp.is_dtensor(p))
         if self.kernel != "auto":
             self._fix_kernels(model)
         elif self.example_input is not None:

@@ -49,9 +49,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .fsdp import is_dtensor
 from .hooks.accounting import CommStats
 from .hooks.state import check_setting
 
@@ -64,7 +64,7 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This process's shard of a DTensor (a view, under no_grad), or ``t`` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 class DiLoCoState:
@@ -242,7 +242,7 @@ class DiLoCoState:
     @property
     def sharded(self) -> bool:
         """Whether the parameters are FSDP2 shards (DTensors)."""
-        return any(isinstance(p, DTensor) for p in self._params)
+        return any(is_dtensor(p) for p in self._params)
 
     def state_dict(self) -> dict[str, Any]:
         """The outer optimizer's state, the synchronized weights and the counters; when

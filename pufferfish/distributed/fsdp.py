@@ -26,16 +26,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = [
     "FsdpBytes",
@@ -43,6 +45,8 @@ __all__ = [
     "comm_bytes",
     "fsdp_units",
     "gathered",
+    "is_dtensor",
+    "is_fsdp_module",
     "is_sharded",
     "load_sharded_state",
     "local",
@@ -55,10 +59,25 @@ __all__ = [
 ]
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor. ``torch.distributed.tensor`` and ``torch.distributed.fsdp``
+    take 0.8 s to import; they are imported where sharding begins, not by ``import pufferfish``
+    (a refusal, ``factorize`` or a 1-process run never needs them), and no tensor or module can
+    be theirs before they are imported."""
+    found = sys.modules.get("torch.distributed.tensor")
+    return found is not None and isinstance(t, found.DTensor)
+
+
+def is_fsdp_module(module: object) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` (see :func:`is_dtensor`)."""
+    found = sys.modules.get("torch.distributed.fsdp")
+    return found is not None and isinstance(module, found.FSDPModule)
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``fully_shard`` was applied to ``model`` or to modules in it (a Lightning module
     whose ``configure_model`` shards its network)."""
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return any(is_fsdp_module(m) for m in model.modules())
 
 
 def _roots(model: nn.Module) -> list[nn.Module]:
@@ -66,7 +85,7 @@ def _roots(model: nn.Module) -> list[nn.Module]:
     roots: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
-        if isinstance(module, FSDPModule):
+        if is_fsdp_module(module):
             roots.append(module)
             return
         for child in module.children():
@@ -100,6 +119,8 @@ def fsdp_units(model: nn.Module) -> list[str]:
 
 def mixed_precision(device: torch.device, amp: bool) -> MixedPrecisionPolicy:
     """bf16 parameters (fp32 gradient reduction) on CUDA, and on CPU with ``--amp``; else none."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if device.type == "cuda" or amp:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
@@ -114,6 +135,8 @@ def shard(model: nn.Module, mp_policy: MixedPrecisionPolicy | None = None,
     sharded (after a switch), rebuilds only the units that hold unsharded parameters, then the
     root (see the module docs), with the options the root had.
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     if is_sharded(model):
         for root in _roots(model):
             _rebuild(root)
@@ -144,7 +167,7 @@ def gradient_sync_off(model: nn.Module) -> Iterator[None]:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This process's shard of a DTensor, or ``t`` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -173,7 +196,7 @@ def unwrap_layers(model: nn.Module, replaced: Callable[[type], bool]) -> None:
     the same name a unit again (remembered on the root)."""
     for root in _roots(model):
         names = [n for n, m in root.named_modules() if m is not root
-                 and isinstance(m, FSDPModule) and replaced(_original_class(m))]
+                 and is_fsdp_module(m) and replaced(_original_class(m))]
         if names:
             root.__dict__.setdefault(_OPTIONS, _options(root))  # the mesh, while units have it
         for name in names:
@@ -186,18 +209,22 @@ _BUFFER_GROUP = "_pufferfish_buffer_group"  # the processes that share one model
 
 
 def _original_class(module: nn.Module) -> type:
+    from torch.distributed.fsdp import FSDPModule
+
     return type(module).__mro__[FSDPModule._orig_cls_mro_index]
 
 
 def _rebuild(root: nn.Module) -> None:
     """Shard again the units of ``root`` that hold unsharded parameters, then ``root``."""
+    from torch.distributed.fsdp import fully_shard
+
     options = root.__dict__.pop(_OPTIONS, None) or _options(root)
     rebuilt = [m for m in _units(root) if _holds_plain(m)]
     for module in [*rebuilt, root]:
         _remove_fsdp(module)
     for name in sorted(root.__dict__.get(_LAYER_UNITS, ())):  # layers before their parents
         layer = root.get_submodule(name)
-        if not isinstance(layer, FSDPModule):
+        if not is_fsdp_module(layer):
             fully_shard(layer, **options)
     for module in rebuilt:
         fully_shard(module, **options)
@@ -207,13 +234,13 @@ def _rebuild(root: nn.Module) -> None:
 
 def _units(model: nn.Module) -> list[nn.Module]:
     """The FSDP units below the root, deepest first."""
-    found = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
+    found = [m for m in model.modules() if m is not model and is_fsdp_module(m)]
     return found[::-1]
 
 
 def _holds_plain(unit: nn.Module) -> bool:
     """Whether ``unit`` manages a parameter that is not sharded (a module swapped in)."""
-    return any(not isinstance(p, DTensor) for p in _managed_params(unit))
+    return any(not is_dtensor(p) for p in _managed_params(unit))
 
 
 def _managed_params(unit: nn.Module) -> Iterator[nn.Parameter]:
@@ -221,7 +248,7 @@ def _managed_params(unit: nn.Module) -> Iterator[nn.Parameter]:
     def visit(module: nn.Module) -> Iterator[nn.Parameter]:
         yield from module.parameters(recurse=False)
         for child in module.children():
-            if not isinstance(child, FSDPModule):
+            if not is_fsdp_module(child):
                 yield from visit(child)
     return visit(unit)
 
@@ -229,7 +256,7 @@ def _managed_params(unit: nn.Module) -> Iterator[nn.Parameter]:
 def _options(model: nn.Module) -> dict[str, Any]:
     """``fully_shard`` options that rebuild the units as they were built (mesh, precision)."""
     state = model._get_fsdp_state()  # type: ignore[operator]
-    groups = [g for m in model.modules() if isinstance(m, FSDPModule)
+    groups = [g for m in model.modules() if is_fsdp_module(m)
               for g in m._get_fsdp_state()._fsdp_param_groups]  # type: ignore[operator]
     units = _units(model)
     inner = units[0]._get_fsdp_state()._fsdp_param_groups if units else []  # type: ignore[operator]
@@ -281,7 +308,7 @@ def _named_managed(unit: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Paramet
         for name, p in module.named_parameters(recurse=False):
             yield module, name, p
         for child in module.children():
-            if not isinstance(child, FSDPModule):
+            if not is_fsdp_module(child):
                 yield from visit(child)
     return visit(unit)
 
@@ -289,7 +316,7 @@ def _named_managed(unit: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Paramet
 def _forget_root(model: nn.Module) -> None:
     """Let the next root lazily initialize again over the units (kept ones included)."""
     for m in model.modules():
-        if m is not model and isinstance(m, FSDPModule):
+        if m is not model and is_fsdp_module(m):
             m._get_fsdp_state()._is_root = None  # type: ignore[operator]
 
 
@@ -317,7 +344,7 @@ def gathered(module: nn.Module) -> Iterator[nn.Module]:
     saved = []
     for owner, name, p in [(m, n, p) for m in module.modules()
                            for n, p in m.named_parameters(recurse=False)]:
-        if isinstance(p, DTensor):
+        if is_dtensor(p):
             saved.append((owner, name, p))
             owner._parameters[name] = nn.Parameter(p.full_tensor().detach(),
                                                    requires_grad=p.requires_grad)
@@ -381,7 +408,7 @@ def comm_bytes(model: nn.Module, world_size: int, micro_batches: int = 1) -> Fsd
     gather = scatter = ring = 0.0
     calls = 0
     p = world_size
-    for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
+    for unit in [m for m in model.modules() if is_fsdp_module(m)]:
         state = unit._get_fsdp_state()  # type: ignore[operator]
         for group in state._fsdp_param_groups:
             mp = state._mp_policy
@@ -429,7 +456,7 @@ def step_figures(model: nn.Module, optimizer: torch.optim.Optimizer | None,
 def sharded_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
     """This process's bytes of parameters, gradients and optimizer state (local shards)."""
     def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
+        return t.to_local() if is_dtensor(t) else t
 
     params = list(model.parameters())
     state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from .atomic import fsync_dir
 from .errors import CheckpointError, describe_failure
@@ -41,6 +40,8 @@ def save_sharded(run_dir: str | os.PathLike[str], step: int, state: dict[str, An
         # Re-saving a step: its old manifest goes first, so that it never vouches for new bytes.
         manifest_path(final.with_suffix(".pt")).unlink(missing_ok=True)
         tmp = str(temp_path(final))
+    import torch.distributed.checkpoint as dcp  # where sharding is (see distributed.fsdp.is_dtensor)
+
     holder = [tmp]
     dist.broadcast_object_list(holder, src=0)
     tmp = Path(holder[0])
@@ -90,6 +91,8 @@ def verify_sharded(pt_path: Path, record: Any) -> None:
 def load_sharded(pt_path: Path, record: Any, state: dict[str, Any]) -> None:
     """Every rank: fill ``state`` (DTensor state dicts of this run's sharding) from the sharded
     part of checkpoint ``pt_path``, verified first. A collective."""
+    import torch.distributed.checkpoint as dcp
+
     verify_sharded(pt_path, record)
     try:
         dcp.load(state, checkpoint_id=pt_path.parent / record["dir"])
