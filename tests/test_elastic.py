@@ -122,7 +122,7 @@ def final_state(run: Path) -> dict:
 
 @needs_fashion
 @pytest.mark.parametrize("layout,kill_step,resume_from", [
-    ("ddp", 3, "ckpt-000000002.pt"),  # mid-epoch 0, before the switch: resumes full-rank
+    # DDP before the switch: test_training.py's killed-and-resumed run at step 5 (no restart)
     ("ddp", 7, "ckpt-000000006.pt"),  # mid-epoch 1, after the switch: the factorized model
     ("fsdp", 3, "ckpt-000000002.pt"),  # the full-rank sharded model
     ("fsdp", 7, "ckpt-000000006.pt"),  # the factorized sharded model

@@ -113,7 +113,7 @@ loader = DataLoader(Tokens(), batch_size=4)
 """
 
 
-def test_the_accelerate_example_under_torchrun_exits_cleanly_every_time(tmp_path: Path) -> None:
+def test_the_accelerate_example_under_torchrun_exits_cleanly(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     (block,) = [b for b in python_blocks() if _kind(b) == "accelerate"]
     assert block.rstrip().splitlines()[-1].startswith("exit_process(0)")
@@ -121,12 +121,12 @@ def test_the_accelerate_example_under_torchrun_exits_cleanly_every_time(tmp_path
     script.write_text(ACCELERATE_SETUP.format(tests=str(ROOT / "tests")) + block)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    for _ in range(2):
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                              "2", "--master-port", str(free_port()), str(script)],
-                             capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert "terminate called" not in run.stderr and "Traceback" not in run.stderr
+    # once: how often it aborted at exit before exit_process is benchmarks/no_abort.sh's to count
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                          "2", "--master-port", str(free_port()), str(script)],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "terminate called" not in run.stderr and "Traceback" not in run.stderr
 
 
 def _argv(command: str) -> tuple[list[str], str]:
