@@ -235,6 +235,35 @@ def budget_claim(cache: Path) -> dict:
                        "[benchmarks/lm_budget.py](benchmarks/lm_budget.py)"))
 
 
+def budget_links_claim(cache: Path) -> dict:
+    """The budget study's recipe over emulated links (benchmarks/lm_links.py): the method first to
+    DDP's final validation perplexity + 5% over 100 and 10 Mbit/s, among six."""
+    out = cache / "lm-budget"
+    import lm_links
+
+    found = lm_links.results(out) if out.is_dir() else "not run"
+    slow = ("100mbit", "10mbit")
+    ready = not isinstance(found, str) and all(link in found["links"] for link in slow)
+    firsts = {link: lm_links.first(found, link) for link in slow} if ready else {}
+    methods = {} if not ready else {
+        f"{r['method']}: s to target @ {link}": stats({0: r["seconds_to_target"][link]})
+        for r in found["rows"] if r["run"] is not None for link in found["links"]}
+    ours = (f"not run yet: python benchmarks/lm_links.py run {out}; ... bench; ... table"
+            if not ready else f"target val ppl {found['target']:.2f}: first " + "; ".join(
+                f"{firsts[link] or 'none'} over {link}" for link in slow))
+    met = None if not ready else all(firsts[link] in lm_links.FULL_PHASE for link in slow)
+    return record(
+        "lm-budget-links", "LM budget study over links: first to DDP's final + 5%",
+        "(not in the paper)", "seconds to the target",
+        "a Pufferfish method (alone or composed) first over 100 and 10 Mbit/s among six",
+        met, methods, f"python benchmarks/lm_links.py table {out}", [out / "links"] if ready else [],
+        "llama width 0.125, 20 tokens/param, seed 0; step times from `pufferfish bench` on 2 "
+        "CPU processes over emulated links, steps to the target from each run's validation "
+        "curve; PowerSGD and DiLoCo at full rank's LR, untuned.", "validation",
+        ("LM budget study over links (llama ⅛, 20 tok/param)", "–", ours,
+         "[benchmarks/lm_links.py](benchmarks/lm_links.py)"))
+
+
 # -- plots ------------------------------------------------------------------------------------
 
 

@@ -31,15 +31,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lm_budget as study  # benchmarks/ is not a package: its folder on the path
 
-H = 30  # DiLoCo's inner steps
+H = 30  # DiLoCo's inner steps; its checkpoints fall on outer steps (the study's every 100 cannot)
+DILOCO = ["--sync", "diloco", "--inner-steps", str(H), "--checkpoint-every-steps", str(10 * H)]
 # bench method -> (factorized: the chosen Pufferfish setting, else full rank; extra train flags)
 LINK_METHODS: dict[str, tuple[bool, list[str]]] = {
     "ddp": (False, []),
     "powersgd": (False, ["--comm", "powersgd"]),
     "pufferfish": (True, []),
     "pufferfish+powersgd": (True, ["--comm", "powersgd"]),
-    "diloco": (False, ["--sync", "diloco", "--inner-steps", str(H)]),
-    "pufferfish+diloco": (True, ["--sync", "diloco", "--inner-steps", str(H)]),
+    "diloco": (False, DILOCO),
+    "pufferfish+diloco": (True, DILOCO),
 }
 FULL_PHASE = {"pufferfish": "ddp", "pufferfish+powersgd": "powersgd",
               "pufferfish+diloco": "diloco"}  # what a Pufferfish run is before its switch
@@ -98,7 +99,9 @@ def step_times(bench: Path) -> dict[tuple[str, str], dict]:
     return {(r["method"], r["bandwidth"]): r for r in data["rows"]}
 
 
-def table(out: Path) -> str:
+def results(out: Path) -> dict | str:
+    """The target and, per method, its run's figures, the bench's step time per link and the
+    time to the target per link (None: not reached); a string saying what is missing."""
     found = runs(out)
     bench = out / "links" / "bench"
     if not found or not (bench / "results.json").is_file():
@@ -109,40 +112,68 @@ def table(out: Path) -> str:
     if ddp_last is None:
         return "lm_links: DDP's run has not finished"
     target = ddp_last["val_ppl"] * (1 + TARGET_MARGIN)
-    lines = [f"Target: validation perplexity {target:.2f} (DDP's final {ddp_last['val_ppl']:.2f} "
-             f"+ {TARGET_MARGIN:.0%}).", "",
-             "| method | params | final val ppl | final test ppl | MB sent per step | steps to "
-             "target | " + " | ".join(f"step ms, {link}" for link in links) + " | "
-             + " | ".join(f"time to target, {link}" for link in links) + " |",
-             "|---|---|---|---|---|---|" + "---|" * (2 * len(links))]
+    rows = []
     for method, (path, _, lr) in found.items():
         last = study.finished(path)
         if last is None:
-            lines.append(f"| {method} | not run yet |" + " |" * (4 + 2 * len(links)))
+            rows.append({"method": method, "lr": lr, "run": None})
             continue
-        rows = {link: times.get((method, link)) for link in links}
-        bench_params = next((r["params"] for r in rows.values() if r), None)
+        mine = {link: times.get((method, link)) for link in links}
+        bench_params = next((r["params"] for r in mine.values() if r), None)
         if bench_params not in (None, last["params"]):
             return (f"lm_links: the bench's {method} has {bench_params} parameters, its run "
                     f"{path} {last['params']}: not the same model")
         reach, switch = steps_to(_curve(path), target), switch_step(path)
-        cells_ms, cells_t = [], []
+        early = 0.0 if reach is None or method not in FULL_PHASE else min(switch, reach)
+        to_target = {}
         for link in links:
-            row, before = rows[link], times.get((FULL_PHASE.get(method, method), link))
-            if row is None or before is None:
-                cells_ms.append("–"), cells_t.append("–")
-                continue
-            cells_ms.append(f"{row['step_time'] * 1e3:.0f} [{row['spread']['step_time'][0] * 1e3:.0f}"
-                            f"–{row['spread']['step_time'][1] * 1e3:.0f}]")
-            if reach is None:
-                cells_t.append("not reached")
-                continue
-            early = min(switch, reach) if method in FULL_PHASE else 0
-            cells_t.append(f"{early * before['step_time'] + (reach - early) * row['step_time']:,.0f} s")
-        lines.append(f"| {method} (lr {lr:g}) | {last['params'] / 1e6:.2f}M | {last['val_ppl']:.2f} | "
-                     f"{last['test_ppl']:.2f} | {last['comm_bytes_per_step'] / 1e6:.3f} | "
-                     f"{'–' if reach is None else f'{reach:.0f}'} | " + " | ".join(cells_ms)
-                     + " | " + " | ".join(cells_t) + " |")
+            row, before = mine[link], times.get((FULL_PHASE.get(method, method), link))
+            to_target[link] = (None if reach is None or row is None or before is None else
+                               early * before["step_time"] + (reach - early) * row["step_time"])
+        rows.append({"method": method, "lr": lr, "run": str(path), "params": last["params"],
+                     "val_ppl": last["val_ppl"], "test_ppl": last["test_ppl"],
+                     "mb_per_step": last["comm_bytes_per_step"] / 1e6, "steps_to_target": reach,
+                     "step_s": {link: None if r is None else (r["step_time"],
+                                                              *r["spread"]["step_time"])
+                                for link, r in mine.items()},
+                     "seconds_to_target": to_target})
+    return {"target": target, "ddp_val_ppl": ddp_last["val_ppl"], "links": links, "rows": rows}
+
+
+def first(found: dict, link: str) -> str | None:
+    """The method that reaches the target soonest over ``link`` (None: none does)."""
+    timed = {r["method"]: r["seconds_to_target"][link] for r in found["rows"]
+             if r.get("seconds_to_target", {}).get(link) is not None}
+    return min(timed, key=timed.__getitem__) if timed else None
+
+
+def table(out: Path) -> str:
+    found = results(out)
+    if isinstance(found, str):
+        return found
+    links = found["links"]
+    lines = [f"Target: validation perplexity {found['target']:.2f} (DDP's final "
+             f"{found['ddp_val_ppl']:.2f} + {TARGET_MARGIN:.0%}).", "",
+             "| method | params | final val ppl | final test ppl | MB sent per step | steps to "
+             "target | " + " | ".join(f"step ms, {link}" for link in links) + " | "
+             + " | ".join(f"time to target, {link}" for link in links) + " |",
+             "|---|---|---|---|---|---|" + "---|" * (2 * len(links))]
+    for r in found["rows"]:
+        if r["run"] is None:
+            lines.append(f"| {r['method']} | not run yet |" + " |" * (4 + 2 * len(links)))
+            continue
+        ms = ["–" if r["step_s"][link] is None else
+              "{:.0f} [{:.0f}–{:.0f}]".format(*(1e3 * t for t in r["step_s"][link]))
+              for link in links]
+        to = [("not reached" if r["steps_to_target"] is None else "–")
+              if r["seconds_to_target"][link] is None else f"{r['seconds_to_target'][link]:,.0f} s"
+              for link in links]
+        reach = "–" if r["steps_to_target"] is None else f"{r['steps_to_target']:.0f}"
+        lines.append(f"| {r['method']} (lr {r['lr']:g}) | {r['params'] / 1e6:.2f}M | "
+                     f"{r['val_ppl']:.2f} | {r['test_ppl']:.2f} | {r['mb_per_step']:.3f} | "
+                     f"{reach} | " + " | ".join(ms) + " | " + " | ".join(to) + " |")
+    lines += ["", "First to the target: " + ", ".join(
+        f"{link} {first(found, link) or 'none'}" for link in links) + "."]
     return "\n".join(lines)
 
 

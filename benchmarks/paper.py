@@ -314,7 +314,8 @@ def headline(cache: Path, out: Path, params: dict[str, list[int]], source: str,
     diloco, diloco_data = cm.diloco_claim(cache)
     claims = [cm.counts_claim(params, source), cl.accuracy_claim(cache), cl.warmup_claim(cache),
               tta, comp, cl.lstm_claim(cache), cl.llama_claim(cache), diloco,
-              cm.demo_claim(cache), cm.demo_peers_claim(cache), cm.budget_claim(cache)]
+              cm.demo_claim(cache), cm.demo_peers_claim(cache), cm.budget_claim(cache),
+              cm.budget_links_claim(cache)]
     (out / "claims.json").write_text(json.dumps({"claims": claims}, indent=1) + "\n")
     (out / "readme-results.md").write_text("\n".join(cl.readme_table(claims)) + "\n")
     if plots:
