@@ -248,9 +248,15 @@ def budget_links_claim(cache: Path) -> dict:
     methods = {} if not ready else {
         f"{r['method']}: s to target @ {link}": stats({0: r["seconds_to_target"][link]})
         for r in found["rows"] if r["run"] is not None for link in found["links"]}
-    ours = (f"not run yet: python benchmarks/lm_links.py run {out}; ... bench; ... table"
-            if not ready else f"target val ppl {found['target']:.2f}: first " + "; ".join(
-                f"{firsts[link] or 'none'} over {link}" for link in slow))
+    ours = f"not run yet: python benchmarks/lm_links.py run {out}; ... bench; ... table"
+    if ready:
+        secs = {r["method"]: r["seconds_to_target"] for r in found["rows"] if r["run"]}
+        never = [m for m, t in secs.items() if all(v is None for v in t.values())]
+        ours = (f"to val ppl {found['target']:.2f} (DDP's final + 5%): " + "; ".join(
+            f"{link}: first {firsts[link] or 'none'}" + (
+                f" ({secs[firsts[link]][link]:,.0f} s, DDP {secs['ddp'][link]:,.0f} s)"
+                if firsts[link] and secs.get("ddp", {}).get(link) else "") for link in slow)
+            + (f"; never reached by {', '.join(never)} (one trial each)" if never else ""))
     met = None if not ready else all(firsts[link] in lm_links.FULL_PHASE for link in slow)
     return record(
         "lm-budget-links", "LM budget study over links: first to DDP's final + 5%",
