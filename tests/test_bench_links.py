@@ -7,22 +7,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from test_bench_accuracy import DDP_ROWS, PUFF_ROWS, _runs, _train_run
-from torch import nn
 
 from pufferfish.bench import projection as proj
 from pufferfish.bench.bandwidth import parse_link
 from pufferfish.bench.config import BenchConfig, parse_compute_ms
 from pufferfish.bench.netns import qdisc_commands
 from pufferfish.bench.results import project, projection_alphas
-from pufferfish.bench.workload import make_optimizer, train_one_step
+from pufferfish.bench.workload import make_optimizer
 from pufferfish.cli import main
 
 # -- parsing ---------------------------------------------------------------------------------------
@@ -249,38 +247,47 @@ def test_galore_is_refused_with_the_image_models_sgd() -> None:
         BenchConfig(methods=["ddp", "galore"]).validate()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# A process of its own: a gloo group with a comm hook in the test runner's process would leave
+# gloo's threads (and the hook's callbacks they release) in it for the rest of the suite, which
+# aborted the runner once (docs/reliability.md, "No abort at exit").
+POWERSGD_STEP = """
+import argparse, json, torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from pufferfish.bench.workload import make_optimizer, train_one_step
+from pufferfish.distributed.env import cleanup, exit_process
+from pufferfish.distributed.hooks import register_comm_hook
+from pufferfish.training.step import Replica
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
+ddp = DistributedDataParallel(model)
+state = register_comm_hook(ddp, "powersgd", matrix_approximation_rank=2, start_powerSGD_iter=2)
+optimizer = make_optimizer(argparse.Namespace(model="resnet18", lr=0.01), "powersgd", model)
+replica = Replica(model, ddp, optimizer, hook_state=state)
+batch = [(torch.randn(8, 32), torch.randint(0, 10, (8,)))]  # one micro-batch
+for _ in range(3):  # DDP re-buckets after step 1; PowerSGD compresses from step 2
+    train_one_step(replica, batch)
+state.stats.reset()
+train_one_step(replica, batch)
+print(json.dumps(state.stats.snapshot()), flush=True)
+cleanup()
+exit_process(0)
+"""
 
 
 def test_powersgd_encode_and_decode_finish_inside_the_timed_step() -> None:
     """What ``bench.step`` times is ``train_one_step``: when it returns, PowerSGD has encoded,
     run its three all-reduces per bucket and decoded (the hook's end-to-end time is recorded by a
     callback on its final future, after the decode), so all of it is inside ``step_time``."""
-    from torch.nn.parallel import DistributedDataParallel
+    import subprocess
+    import sys
 
-    from pufferfish.distributed.hooks import register_comm_hook
-    from pufferfish.training.step import Replica
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                            world_size=1)
-    try:
-        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
-        ddp = DistributedDataParallel(model)
-        state = register_comm_hook(ddp, "powersgd", matrix_approximation_rank=2,
-                                   start_powerSGD_iter=2)
-        replica = Replica(model, ddp, make_optimizer(_args("resnet18"), "powersgd", model),
-                          hook_state=state)
-        batch = [(torch.randn(8, 32), torch.randint(0, 10, (8,)))]  # one micro-batch
-        for _ in range(3):  # DDP re-buckets after step 1; PowerSGD compresses from step 2
-            train_one_step(replica, batch)
-        state.stats.reset()
-        train_one_step(replica, batch)
-        stats = state.stats.snapshot()
-        assert stats["buckets"] >= 1 and stats["comm_calls"] == 3 * stats["buckets"]
-        assert stats["compress_time"] > 0  # encoded in this step
-        assert stats["hook_time"] > 0  # ...and the final future (after the decode) completed
-    finally:
-        dist.destroy_process_group()
+    done = subprocess.run([sys.executable, "-c", POWERSGD_STEP], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    stats = json.loads(done.stdout.strip().splitlines()[-1])
+    assert stats["buckets"] >= 1 and stats["comm_calls"] == 3 * stats["buckets"]
+    assert stats["compress_time"] > 0  # encoded in this step
+    assert stats["hook_time"] > 0  # ...and the final future (after the decode) completed
