@@ -52,6 +52,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .fsdp import is_dtensor
+from .fsdp import local as _local  # this process's shard of a DTensor, or the tensor
 from .hooks.accounting import CommStats
 from .hooks.state import check_setting
 
@@ -60,11 +61,6 @@ __all__ = ["DiLoCoState"]
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1).float() for t in tensors]) if tensors else torch.zeros(0)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This process's shard of a DTensor (a view, under no_grad), or ``t`` itself."""
-    return t.to_local() if is_dtensor(t) else t
 
 
 class DiLoCoState:
