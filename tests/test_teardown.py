@@ -150,10 +150,6 @@ def test_undrained_teardown_exits_without_interpreter_shutdown(tmp_path: Path) -
     assert not (tmp_path / "finalizing").exists()  # no interpreter shutdown ran
 
 
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
-
-
 def test_every_script_that_starts_a_group_ends_without_interpreter_shutdown() -> None:
     """The entry points of the package, its benchmarks and the tests' workers that start a gloo
     group end with ``exit_process`` (the bench's torch-only probe with ``os._exit``): one
@@ -167,3 +163,7 @@ def test_every_script_that_starts_a_group_ends_without_interpreter_shutdown() ->
     missing = [str(p.relative_to(root)) for p in scripts
                if "exit_process(" not in p.read_text() and "os._exit(" not in p.read_text()]
     assert not missing, missing
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
