@@ -68,6 +68,11 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "puff50proj": ([*PUFF, "project", "--warmup-steps", "0.50"], "puff10proj"),
     "puff10reset": ([*PUFF, "reset", "--warmup-steps", "0.10"], "puff10proj"),
     "puff25reset": ([*PUFF, "reset", "--warmup-steps", "0.25"], "puff10proj"),
+    # ReLoRA's pairing at the other switch points (the rule `--switch-momentum auto` is built on)
+    "puff25reset-rw5": ([*PUFF, "reset", "--warmup-steps", "0.25", "--switch-lr-warmup", "0.05"],
+                        "puff10proj"),
+    "puff2reset-rw5": ([*PUFF, "reset", "--warmup-steps", "0.02", "--switch-lr-warmup", "0.05"],
+                       "puff10proj"),
 }
 LR_BUDGET, BUDGETS, SEEDS = 20.0, (1.0, 5.0, 20.0), (0, 1, 2)
 LADDER = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]  # where a grid grows past its edge
