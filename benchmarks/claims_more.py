@@ -243,7 +243,8 @@ def budget_links_claim(cache: Path) -> dict:
 
     found = lm_links.results(out) if out.is_dir() else "not run"
     slow = ("100mbit", "10mbit")
-    ready = not isinstance(found, str) and all(link in found["links"] for link in slow)
+    ready = (not isinstance(found, str) and all(link in found["links"] for link in slow)
+             and all(r["run"] is not None for r in found["rows"]))  # every LR grid finished
     firsts = {link: lm_links.first(found, link) for link in slow} if ready else {}
     methods = {} if not ready else {
         f"{r['method']}: s to target @ {link}": stats({0: r["seconds_to_target"][link]})

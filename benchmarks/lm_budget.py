@@ -36,6 +36,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from pufferfish.training.checkpoint import latest_checkpoint
@@ -97,13 +98,13 @@ def best_val(path: Path) -> float | None:
     return None if last is None else last["val_ppl"]
 
 
-def grid(out: Path, method: str) -> list[float]:
-    """``method``'s LRs to try: its base grid, grown one half-decade step (``LADDER``) past an
-    edge for as long as the best final validation perplexity so far sits on that edge, the same
+def grow(base: list[float], val_of: Callable[[float], float | None]) -> list[float]:
+    """The LRs to try: ``base``, grown one half-decade step (``LADDER``) past an edge for as
+    long as the best final validation perplexity so far (``val_of``) sits on that edge, the same
     rule for every method (an LR at the grid's edge is not chosen, only bounded)."""
-    lrs = sorted(METHODS[method][1])
+    lrs = sorted(base)
     while True:
-        vals = {lr: best_val(run_dir(out, LR_BUDGET, method, lr, 0)) for lr in lrs}
+        vals = {lr: val_of(lr) for lr in lrs}
         if any(v is None for v in vals.values()):
             return lrs
         best = min(vals, key=lambda lr: vals[lr])  # type: ignore[arg-type,return-value]
@@ -114,16 +115,26 @@ def grid(out: Path, method: str) -> list[float]:
         lrs = sorted([*lrs, LADDER[i + step]])
 
 
+def pick(base: list[float], val_of: Callable[[float], float | None]) -> float | None:
+    """The LR of :func:`grow`'s grid with the lowest final validation perplexity; None until
+    every LR of the grid has finished."""
+    vals = {lr: val_of(lr) for lr in grow(base, val_of)}
+    if any(v is None for v in vals.values()):
+        return None
+    return min(vals, key=lambda lr: vals[lr])  # type: ignore[arg-type,return-value]
+
+
+def grid(out: Path, method: str) -> list[float]:
+    """``method``'s LRs to try at 20 tokens per parameter, seed 0 (:func:`grow`)."""
+    return grow(METHODS[method][1], lambda lr: best_val(run_dir(out, LR_BUDGET, method, lr, 0)))
+
+
 def chosen_lr(out: Path, method: str) -> float | None:
     """The LR of ``method``'s grid (:func:`grid`) with the lowest final validation perplexity at
     20 tokens per parameter, seed 0 (a variant: its base method's); None until the grid has run."""
     if method in VARIANTS:
         return chosen_lr(out, VARIANTS[method][1])
-    lrs = grid(out, method)
-    vals = {lr: best_val(run_dir(out, LR_BUDGET, method, lr, 0)) for lr in lrs}
-    if any(v is None for v in vals.values()):
-        return None
-    return min(vals, key=lambda lr: vals[lr])  # type: ignore[arg-type,return-value]
+    return pick(METHODS[method][1], lambda lr: best_val(run_dir(out, LR_BUDGET, method, lr, 0)))
 
 
 def best_pufferfish(out: Path) -> str | None:

@@ -3,13 +3,14 @@
 Six methods of ``benchmarks/lm_budget.py``'s recipe (llama width 0.125, 16,384 tokens a step,
 AdamW, seed 0), full-rank ones at full rank's LR chosen on validation and Pufferfish ones as the
 setting chosen there (``best_pufferfish``) at its LR: DDP and Pufferfish are the study's own
-runs; PowerSGD (rank 4), Pufferfish + PowerSGD, DiLoCo (H = 30, AdamW inner steps) and Pufferfish
-+ DiLoCo are trained here into ``OUT/links/``. ``pufferfish bench`` measures the same model's step
+runs; PowerSGD (rank 4) and DiLoCo (H = 30, AdamW inner steps) each get the study's LR rule (its
+grid, grown past an edge, chosen on validation), Pufferfish + PowerSGD and Pufferfish + DiLoCo
+run at their baseline's chosen LR; all four are trained here into ``OUT/links/``. ``pufferfish bench`` measures the same model's step
 time of each method over loopback and emulated links (the same optimizer, AdamW, for every
 method); the time to the target is the steps a run needed to reach it times those step times
 (before a Pufferfish switch at its full-rank counterpart's).
 
-    python benchmarks/lm_links.py run OUT [--dry-run]          # the four training runs
+    python benchmarks/lm_links.py run OUT [--dry-run]          # the LR trials and the runs
     sudo python benchmarks/lm_links.py bench OUT [--bandwidth loopback,100mbit,10mbit]
     python benchmarks/lm_links.py table OUT [--md FILE]
 
@@ -26,6 +27,7 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,19 +52,53 @@ BENCH = ["--model", "llama", "--width", "0.125", "--vocab-size", "1024", "--seq-
          "--steps", "10", "--warmup", "3", "--compute-steps", "5", "--rounds", "2"]
 
 
-def runs(out: Path) -> dict[str, tuple[Path, list[str], float]]:
-    """Method -> (run directory, train flags, LR); empty until the study has chosen its LRs."""
+# The compressed and infrequent baselines get the study's LR rule (its base grid, grown past an
+# edge): as many trials as full rank had; a composition with Pufferfish takes its baseline's LR,
+# as Pufferfish's settings take theirs.
+TUNED = ("powersgd", "diloco")
+
+
+def _links_dir(out: Path, method: str, lr: float) -> Path:
+    return out / "links" / f"{method}-lr{lr:g}-s0"
+
+
+def _val_of(out: Path, method: str) -> Callable[[float], float | None]:
+    return lambda lr: study.best_val(_links_dir(out, method, lr))
+
+
+def runs(out: Path) -> dict[str, tuple[Path | None, list[str], float | None]]:
+    """Method -> (run directory, train flags, LR), directory and LR None while a tuned
+    baseline's grid is unfinished; empty until the study has chosen its LRs."""
     full_lr, puff = study.chosen_lr(out, "full"), study.best_pufferfish(out)
     puff_lr = None if puff is None else study.chosen_lr(out, puff)
     if full_lr is None or puff is None or puff_lr is None:
         return {}
-    found = {}
+    tuned = {m: study.pick(study.METHODS["full"][1], _val_of(out, m)) for m in TUNED}
+    found: dict[str, tuple[Path | None, list[str], float | None]] = {}
     for method, (factorized, extra) in LINK_METHODS.items():
-        base, lr = (puff, puff_lr) if factorized else ("full", full_lr)
-        path = (study.run_dir(out, study.LR_BUDGET, base, lr, 0) if not extra else
-                out / "links" / f"{method}-lr{lr:g}-s0")
+        base = puff if factorized else "full"
+        lr = tuned.get(FULL_PHASE.get(method, method), puff_lr if factorized else full_lr)
+        path = (None if lr is None else study.run_dir(out, study.LR_BUDGET, base, lr, 0)
+                if not extra else _links_dir(out, method, lr))
         found[method] = (path, [*study.flags(base), *extra], lr)
     return found
+
+
+def todo(out: Path) -> list[tuple[Path, list[str], float]]:
+    """The runs still to train, in order: the tuned baselines' LR trials (one LR of each
+    before a second), then every method at its chosen LR."""
+    found = runs(out)
+    base = study.METHODS["full"][1]
+    grids = {m: [*base, *(lr for lr in study.grow(base, _val_of(out, m)) if lr not in base)]
+             for m in TUNED}
+    trials = [(_links_dir(out, m, lrs[i]), found[m][1], lrs[i])
+              for i in range(max(map(len, grids.values()))) for m, lrs in grids.items()
+              if i < len(lrs)]
+    chosen = [(path, flags, lr) for path, flags, lr in found.values()
+              if path is not None and lr is not None]
+    seen: set[Path] = set()
+    return [t for t in [*trials, *chosen]
+            if study.finished(t[0]) is None and not (t[0] in seen or seen.add(t[0]))]
 
 
 def _curve(path: Path) -> list[tuple[int, float]]:
@@ -108,13 +144,13 @@ def results(out: Path) -> dict | str:
         return "lm_links: the study's LRs, the four runs and the bench are all needed first"
     times = step_times(bench)
     links = list(dict.fromkeys(link for _, link in times))
-    ddp_last = study.finished(found["ddp"][0])
+    ddp_last = study.finished(found["ddp"][0])  # type: ignore[arg-type]
     if ddp_last is None:
         return "lm_links: DDP's run has not finished"
     target = ddp_last["val_ppl"] * (1 + TARGET_MARGIN)
     rows = []
     for method, (path, _, lr) in found.items():
-        last = study.finished(path)
+        last = None if path is None else study.finished(path)
         if last is None:
             rows.append({"method": method, "lr": lr, "run": None})
             continue
@@ -195,14 +231,14 @@ def main() -> int:
         print("lm_links: the study has not chosen full rank's LR and a Pufferfish setting yet "
               "(benchmarks/lm_budget.py run OUT --phase lr, --phase variants)", file=sys.stderr)
         return 2
-    if args.cmd == "run":
-        for path, method_flags, lr in found.values():
-            if study.finished(path) is not None:
-                continue
+    if args.cmd == "run":  # until nothing is left: a finished grid may grow or choose
+        while pending := todo(args.out):
             if args.dry_run:
-                print("would run:", path)
-            else:
-                study.train(path, method_flags, lr, 0, study.LR_BUDGET)
+                print("\n".join(f"would run: {path}" for path, _, _ in pending))
+                return 0
+            path, method_flags, lr = pending[0]
+            if not study.train(path, method_flags, lr, 0, study.LR_BUDGET):
+                return 1
         return 0
     if args.cmd == "bench":
         cmd = [sys.executable, "-m", "pufferfish", "bench", *BENCH, "--methods",

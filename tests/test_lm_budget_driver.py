@@ -18,7 +18,10 @@ import lm_budget  # noqa: E402
 
 def _finish(out: Path, method: str, lr: float, val: float, test: float = 0.0,
             budget: float = 20.0, seed: int = 0) -> None:
-    path = lm_budget.run_dir(out, budget, method, lr, seed)
+    _finish_at(lm_budget.run_dir(out, budget, method, lr, seed), val, test)
+
+
+def _finish_at(path: Path, val: float, test: float = 0.0) -> None:
     path.mkdir(parents=True)
     row = {"val_ppl": val, "test_ppl": test or val, "params": 1000, "epoch_time": 1.0}
     (path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
@@ -125,8 +128,20 @@ def test_links_time_to_target_is_steps_to_it_times_each_phases_step(tmp_path: Pa
     for lr, val in ((1e-3, 30.0), (3e-3, 25.0), (1e-2, 28.0)):
         _finish(tmp_path, "full", lr, val)
         _finish(tmp_path, "puff10proj", lr, val)
+    assert [lr for _, _, lr in lm_links.todo(tmp_path)] == [3e-3, 3e-3, 1e-2, 1e-2, 1e-3, 1e-3]
+    links = tmp_path / "links"
+    for lr, val in ((1e-3, 40.0), (3e-3, 45.0), (1e-2, 50.0)):  # PowerSGD best at its edge
+        _finish_at(links / f"powersgd-lr{lr:g}-s0", val)
+    for lr, val in ((1e-3, 45.0), (3e-3, 40.0), (1e-2, 50.0)):  # DiLoCo best inside
+        _finish_at(links / f"diloco-lr{lr:g}-s0", val)
+    assert [(p.name, lr) for p, _, lr in lm_links.todo(tmp_path)] == [
+        ("powersgd-lr0.0003-s0", 3e-4), ("pufferfish+diloco-lr0.003-s0", 3e-3)]
+    runs = lm_links.runs(tmp_path)
+    assert runs["powersgd"][0] is None and runs["pufferfish+powersgd"][2] is None
+    _finish_at(links / "powersgd-lr0.0003-s0", 60.0)  # worse: 1e-3 chosen
     runs = lm_links.runs(tmp_path)
     assert set(runs) == set(lm_links.LINK_METHODS) and runs["ddp"][2] == 3e-3
+    assert runs["pufferfish+powersgd"][2] == runs["powersgd"][2] == 1e-3
     assert runs["diloco"][1][-6:-2] == ["--sync", "diloco", "--inner-steps", "30"]
     full, puff = 1000, 600
     for method, (path, _, _) in runs.items():
