@@ -28,7 +28,14 @@ __all__ = ["ConfigError", "TrainConfig", "choices"]
 WARMUP_ALLOWED = "an integer >= 0, a percentage of the epochs such as '20%', or 'auto'"
 SCHEDULES = ("multistep", "cosine", "constant")
 NONFINITE = ("stop", "skip")
-SWITCH_MOMENTUM = ("reset", "project")
+SWITCH_MOMENTUM = ("reset", "project")  # DiLoCo's outer momentum at the switch
+# The inner optimizer's state at the switch. auto: SGD's momentum reset (the paper; the image
+# models' recipe unchanged); Adam's moments reset, and after the LR warm-up the LR re-warmed over
+# AUTO_SWITCH_LR_WARMUP of the run (ReLoRA's pairing): fresh moments come from the factors' own
+# gradients, not the dense weights' stale second moment, and take small steps until they have
+# averaged a few (docs/benchmarks.md, "Where the switch's cost comes from").
+SWITCH_STATE = ("auto", "reset", "project")
+AUTO_SWITCH_LR_WARMUP = 0.05
 OPTIMIZERS = ("auto", "sgd", "adamw")
 GALORE_PROJ_TYPES = ("std", "reverse_std", "right", "left", "full")
 # Defaults that differ by model: load_config applies them to the keys that neither the TOML file
@@ -87,9 +94,9 @@ class TrainConfig:
     extra_bn: bool = False  # BatchNorm between the two factors of each conv
     kernel: str = "auto"  # low-rank layers with several kernels (the LSTM's): auto (the fastest, timed at the switch), fused or loop
     frobenius_decay: float = 0.0  # λ of Frobenius decay on low-rank layers (0: plain weight decay)
-    switch_momentum: str = "reset"  # at the switch: reset (the paper) or project onto the factors
+    switch_momentum: str = "auto"  # the optimizer state at the switch: reset (the paper), project onto the factors, or auto (SGD: reset; AdamW: reset with an LR re-warm-up)
     warmup_steps: float = 0.0  # switch before optimizer step N, or this fraction of the run if < 1 (0: off)
-    switch_lr_warmup: float = 0.0  # after the switch, the LR ramps up again over N steps, or this fraction of the run if < 1 (ReLoRA's re-warm-up; 0: off)
+    switch_lr_warmup: float = 0.0  # after the switch, the LR ramps up again over N steps, or this fraction of the run if < 1 (ReLoRA's re-warm-up; 0: off, or switch_momentum auto's)
     galore_update_proj_gap: int = 200  # galore: optimizer steps between the projectors' SVDs
     galore_scale: float = 0.25  # galore: scale of the update projected back (the paper's 0.25)
     galore_proj_type: str = "std"  # galore: std, reverse_std, right, left, full
@@ -326,9 +333,9 @@ class TrainConfig:
             if value == "auto":
                 raise ConfigError(f"{name} 'auto' is invalid with parallel 'fsdp' (it reads every "
                                   "layer's dense weights): allowed a fixed value")
-        if self.switch_momentum != "reset":
+        if self.switch_momentum == "project":
             raise ConfigError(f"switch_momentum {self.switch_momentum!r} is invalid with parallel "
-                              "'fsdp': allowed reset")
+                              "'fsdp': allowed reset, auto")
         if self.sync == "diloco" and self.outer_switch_momentum != "reset":
             raise ConfigError(f"outer_switch_momentum {self.outer_switch_momentum!r} is invalid "
                               "with parallel 'fsdp' (projecting reads every layer's dense "
@@ -381,6 +388,22 @@ class TrainConfig:
         if self.optimizer != "auto":
             return self.optimizer
         return MODEL_DEFAULTS.get(self.model, {}).get("optimizer", "sgd")
+
+    @property
+    def switch_state(self) -> str:
+        """``switch_momentum`` with ``auto`` resolved: ``reset`` for every optimizer."""
+        return "reset" if self.switch_momentum == "auto" else self.switch_momentum
+
+    def switch_lr_rewarm(self, switch_step: int, steps_per_epoch: int) -> float:
+        """The LR re-warm-up after a switch before global step ``switch_step``:
+        ``switch_lr_warmup``, or, under ``switch_momentum`` auto with AdamW and none given,
+        :data:`AUTO_SWITCH_LR_WARMUP` when the switch falls after the LR warm-up (inside it the
+        schedule still ramps: a second ramp only slows the run, measured)."""
+        if (self.switch_lr_warmup or self.switch_momentum != "auto"
+                or self.optimizer_name != "adamw"
+                or switch_step < round(self.lr_warmup_epochs * steps_per_epoch)):
+            return self.switch_lr_warmup
+        return AUTO_SWITCH_LR_WARMUP
 
     @property
     def warmup_share_in_steps(self) -> float:
@@ -438,7 +461,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     """The fields that take one of a list of names, and the names (checks and ``--help``)."""
     return {"model": tuple(MODELS), "mode": tuple(mode_names()), "comm": tuple(hook_names()),
             "schedule": SCHEDULES, "backend": ("auto", "gloo", "nccl"), "nonfinite": NONFINITE,
-            "switch_momentum": SWITCH_MOMENTUM, "optimizer": OPTIMIZERS,
+            "switch_momentum": SWITCH_STATE, "optimizer": OPTIMIZERS,
             "galore_proj_type": GALORE_PROJ_TYPES, "sync": SYNCS,
             "outer_switch_momentum": SWITCH_MOMENTUM, "parallel": PARALLEL,
             "kernel": KERNELS, "logger": LOGGERS}

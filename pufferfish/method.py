@@ -101,17 +101,20 @@ class PufferfishMethod(FullRankMethod):
         return at
 
     def lr_scale(self, global_step: int, steps_per_epoch: int) -> float:
-        """``switch_lr_warmup``: after the switch the LR ramps linearly from 1/W of the
-        schedule's back to it over W steps, as ReLoRA does after each of its resets: the
-        factors (and, with ``reset``, Adam's fresh moments) start with small steps."""
-        ramp = self.cfg.switch_lr_warmup
-        if ramp <= 0 or not self.switch.switched or self.cfg.mode != "pufferfish":
+        """The LR re-warm-up after the switch (``cfg.switch_lr_rewarm``: ``switch_lr_warmup``,
+        or ``switch_momentum`` auto's): the LR ramps linearly from 1/W of the schedule's back
+        to it over W steps, as ReLoRA does after each of its resets: the factors (and, with
+        ``reset``, Adam's fresh moments) start with small steps."""
+        if not self.switch.switched or self.cfg.mode != "pufferfish":
+            return 1.0
+        at = (self._step_switch(steps_per_epoch) if self.in_steps else
+              int(self.switch.policy.switched_at or 0) * steps_per_epoch) or 0
+        ramp = self.cfg.switch_lr_rewarm(at, steps_per_epoch)
+        if ramp <= 0:
             return 1.0
         total = self.cfg.epochs * steps_per_epoch
         width = max(1, round(ramp * total) if ramp < 1 else int(ramp))
-        at = self._step_switch(steps_per_epoch) if self.in_steps else \
-            int(self.switch.policy.switched_at or 0) * steps_per_epoch
-        since = global_step - (at or 0)
+        since = global_step - at
         return 1.0 if since >= width else (max(0, since) + 1) / width
 
     def _switch(self, epoch: int, model: nn.Module, when: str,
@@ -131,7 +134,7 @@ class PufferfishMethod(FullRankMethod):
         Adam's first moment by the chain rule, Adam's second moment through the squared factors,
         Adam's step count kept). ``"reset"`` (the paper): nothing carried, every parameter
         starts with empty state (Adam: moments zero, bias correction from step 0)."""
-        if self.cfg.switch_momentum == "project":
+        if self.cfg.switch_state == "project":
             _carry_projected(old, new, before, model)
 
     def carry_outer_state(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer,

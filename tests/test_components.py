@@ -169,9 +169,9 @@ def test_switch_momentum_resets_or_projects_the_optimizer_state(switch_momentum:
                                old.state[before["2.bias"]]["momentum_buffer"])
 
 
-def test_switch_momentum_allows_reset_or_project() -> None:
-    with pytest.raises(ConfigError, match=r"^switch_momentum 'keep' is invalid: allowed reset, "
-                                          r"project$"):
+def test_switch_momentum_allows_auto_reset_or_project() -> None:
+    with pytest.raises(ConfigError, match=r"^switch_momentum 'keep' is invalid: allowed auto, "
+                                          r"reset, project$"):
         TrainConfig(switch_momentum="keep")
 
 

@@ -128,3 +128,25 @@ def test_the_lr_ramps_up_again_after_the_switch_with_switch_lr_warmup() -> None:
     assert [in_steps.lr_scale(s, 100) for s in (50, 55, 59, 60)] == [0.1, 0.6, 1.0, 1.0]
     with pytest.raises(ConfigError, match="switch_lr_warmup"):
         TrainConfig(switch_lr_warmup=-1)
+
+
+@pytest.mark.parametrize("flags,state,rewarm", [
+    ({"model": "llama"}, "reset", 0.05),  # AdamW after the LR warm-up: fresh moments, re-warmed
+    ({"model": "llama", "lr_warmup_epochs": 0.6}, "reset", 0.0),  # inside it: the schedule ramps
+    ({"model": "llama", "switch_lr_warmup": 8}, "reset", 8),  # the user's re-warm-up wins
+    ({"model": "llama", "switch_momentum": "reset"}, "reset", 0.0),  # as asked: no re-warm-up
+    ({"model": "llama", "switch_momentum": "project"}, "project", 0.0),
+    ({"model": "llama", "optimizer": "sgd"}, "reset", 0.0),  # SGD: the paper's reset
+    ({"model": "resnet18"}, "reset", 0.0),  # the image models' recipe unchanged
+])
+def test_switch_momentum_auto_resets_and_rewarms_adam_after_the_lr_warm_up(
+        flags: dict, state: str, rewarm: float) -> None:
+    from pufferfish.method import PufferfishMethod
+
+    cfg = TrainConfig(epochs=1, warmup_steps=0.5, **flags)  # the switch before step 50 of 100
+    assert (cfg.switch_state, cfg.switch_lr_rewarm(50, 100)) == (state, rewarm)
+    method = PufferfishMethod(cfg)
+    method.switch.policy.switched_at = 0
+    width = round(rewarm * 100) if rewarm < 1 else int(rewarm)
+    assert method.lr_scale(50, 100) == (1 / width if rewarm else 1.0)
+    assert method.lr_scale(50 + width, 100) == 1.0
