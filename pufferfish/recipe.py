@@ -104,6 +104,9 @@ class Recipe:
         switch_momentum: ``"reset"`` (the paper): a replaced weight's state is deleted;
             ``"project"``: its SGD momentum or Adam moments are projected onto its factors
             (:func:`~pufferfish.switch.projected_state`); other state keys start empty.
+            (``pufferfish train``'s ``auto`` also re-warms the LR after an AdamW reset: it owns
+            the schedule; here your scheduler does, and a short ramp of it after the switch is
+            what the LM budget study measured best with AdamW.)
         bucket_mb: DDP's gradient bucket cap (MiB) of the wrapper re-built at the switch, sized
             for the smaller model; ``"torch"``: torch's default; None: the user's wrapper's.
             (``"auto"``, timed on real steps, is ``pufferfish train``'s: it owns the steps.)
