@@ -257,7 +257,7 @@ def budget_links_claim(cache: Path) -> dict:
             f"{link}: first {firsts[link] or 'none'}" + (
                 f" ({secs[firsts[link]][link]:,.0f} s, DDP {secs['ddp'][link]:,.0f} s)"
                 if firsts[link] and secs.get("ddp", {}).get(link) else "") for link in slow)
-            + (f"; never reached by {', '.join(never)} (one trial each)" if never else ""))
+            + (f"; never reached by {', '.join(never)}" if never else ""))
     met = None if not ready else all(firsts[link] in lm_links.FULL_PHASE for link in slow)
     return record(
         "lm-budget-links", "LM budget study over links: first to DDP's final + 5%",
@@ -266,7 +266,8 @@ def budget_links_claim(cache: Path) -> dict:
         met, methods, f"python benchmarks/lm_links.py table {out}", [out / "links"] if ready else [],
         "llama width 0.125, 20 tokens/param, seed 0; step times from `pufferfish bench` on 2 "
         "CPU processes over emulated links, steps to the target from each run's validation "
-        "curve; PowerSGD and DiLoCo at full rank's LR, untuned.", "validation",
+        "curve; PowerSGD and DiLoCo each at the best of its LR grid on validation (the study's "
+        "rule), the compositions at their baseline's LR.", "validation",
         ("LM budget study over links (llama ⅛, 20 tok/param)", "–", ours,
          "[benchmarks/lm_links.py](benchmarks/lm_links.py)"))
 
