@@ -244,7 +244,9 @@ def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @needs_fashion
-@pytest.mark.parametrize("kill_step", [5, 13])  # before the switch (epoch 0), after it (epoch 1)
+# Killed before the switch (epoch 0); after it, test_elastic.py's DDP case (2 processes under
+# torchrun, a comm hook, killed after the switch) checks the same bitwise.
+@pytest.mark.parametrize("kill_step", [5])
 def test_resume_gives_the_same_final_parameters(tmp_path: Path, kill_step: int) -> None:
     args = [*TINY, "--epochs", "3", "--warmup-epochs", "1", "--checkpoint-every-steps", "3"]
     ref, run = killed_and_resumed(args, tmp_path, kill_step)
