@@ -154,7 +154,9 @@ def test_two_process_mid_epoch_switch_with_adamw(tmp_path: Path, momentum: str) 
     assert steps == ({15.0} if momentum == "reset" else {30.0})
 
 
-@pytest.mark.parametrize("kill_step", [9, 23])  # before the switch at step 15, after it
+# Killed before the switch at step 15: the resumed run then projects Adam's moments. After a
+# switch, AdamW's resume is test_llama.py's (bitwise, with auto's re-warm-up).
+@pytest.mark.parametrize("kill_step", [9])
 def test_adamw_resume_around_a_mid_epoch_switch_is_exact(tmp_path: Path, kill_step: int) -> None:
     args = tiny_transformer_args(tmp_path, "--epochs", "1", "--train-subset", "1200",
                                  "--warmup-steps", "15",

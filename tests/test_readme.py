@@ -33,8 +33,9 @@ TINY = {
     "resume": ["--epochs", "3", "--threads", "1", "--no-progress"],  # the run's own sizes
     "compare": [*TRAIN, "--train-subset", "256", "--epochs", "1", "--rounds", "1",
                 "--latency-repeats", "1"],
+    # loopback only: the emulated links' path is tests/test_bench.py's and test_netns.py's
     "bench": ["--width", "0.125", "--batch-size", "16", "--steps", "2", "--warmup", "2",
-              "--compute-steps", "1", "--rounds", "1", "--threads", "1"],
+              "--compute-steps", "1", "--rounds", "1", "--threads", "1", "--bandwidth", "loopback"],
     "bench-reuse": [],
     "factorize": [],
     "report": [],
