@@ -155,7 +155,7 @@ def test_two_process_mid_epoch_switch_with_adamw(tmp_path: Path, momentum: str) 
 
 
 # Killed before the switch at step 15: the resumed run then projects Adam's moments. After a
-# switch, AdamW's resume is test_llama.py's (bitwise, with auto's re-warm-up).
+# switch, AdamW's resume is test_llama.py's (bitwise).
 @pytest.mark.parametrize("kill_step", [9])
 def test_adamw_resume_around_a_mid_epoch_switch_is_exact(tmp_path: Path, kill_step: int) -> None:
     args = tiny_transformer_args(tmp_path, "--epochs", "1", "--train-subset", "1200",
