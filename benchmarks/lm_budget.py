@@ -124,9 +124,24 @@ def pick(base: list[float], val_of: Callable[[float], float | None]) -> float | 
     return min(vals, key=lambda lr: vals[lr])  # type: ignore[arg-type,return-value]
 
 
+def interleaved(grids: dict[str, list[float]]) -> list[tuple[str, float]]:
+    """(method, LR) in trial order: every method's first LR before any method's second."""
+    return [(m, lrs[i]) for i in range(max(map(len, grids.values()), default=0))
+            for m, lrs in grids.items() if i < len(lrs)]
+
+
+def trial_order(base: list[float], val_of: Callable[[float], float | None]) -> list[float]:
+    """:func:`grow`'s grid, ``base`` in its own order first, then the LRs it grew."""
+    return [*base, *(lr for lr in grow(base, val_of) if lr not in base)]
+
+
+def _seed0_val(out: Path, method: str) -> Callable[[float], float | None]:
+    return lambda lr: best_val(run_dir(out, LR_BUDGET, method, lr, 0))
+
+
 def grid(out: Path, method: str) -> list[float]:
     """``method``'s LRs to try at 20 tokens per parameter, seed 0 (:func:`grow`)."""
-    return grow(METHODS[method][1], lambda lr: best_val(run_dir(out, LR_BUDGET, method, lr, 0)))
+    return grow(METHODS[method][1], _seed0_val(out, method))
 
 
 def chosen_lr(out: Path, method: str) -> float | None:
@@ -134,7 +149,7 @@ def chosen_lr(out: Path, method: str) -> float | None:
     20 tokens per parameter, seed 0 (a variant: its base method's); None until the grid has run."""
     if method in VARIANTS:
         return chosen_lr(out, VARIANTS[method][1])
-    return pick(METHODS[method][1], lambda lr: best_val(run_dir(out, LR_BUDGET, method, lr, 0)))
+    return pick(METHODS[method][1], _seed0_val(out, method))
 
 
 def best_pufferfish(out: Path) -> str | None:
@@ -155,10 +170,8 @@ def queue(out: Path, phase: str, methods: list[str],
     if phase == "variants":
         todo = [(LR_BUDGET, m, lr, 0) for m in methods if (lr := chosen_lr(out, m)) is not None]
     elif phase == "lr":
-        grids = {m: [*METHODS[m][1], *(lr for lr in grid(out, m) if lr not in METHODS[m][1])]
-                 for m in methods}
-        todo = [(LR_BUDGET, m, grids[m][i], 0)
-                for i in range(max(map(len, grids.values()))) for m in methods if i < len(grids[m])]
+        grids = {m: trial_order(METHODS[m][1], _seed0_val(out, m)) for m in methods}
+        todo = [(LR_BUDGET, m, lr, 0) for m, lr in interleaved(grids)]
     else:
         todo = []
         for seed in SEEDS:

@@ -5,9 +5,9 @@ AdamW, seed 0), full-rank ones at full rank's LR chosen on validation and Puffer
 setting chosen there (``best_pufferfish``) at its LR: DDP and Pufferfish are the study's own
 runs; PowerSGD (rank 4) and DiLoCo (H = 30, AdamW inner steps) each get the study's LR rule (its
 grid, grown past an edge, chosen on validation), Pufferfish + PowerSGD and Pufferfish + DiLoCo
-run at their baseline's chosen LR; all four are trained here into ``OUT/links/``. ``pufferfish bench`` measures the same model's step
-time of each method over loopback and emulated links (the same optimizer, AdamW, for every
-method); the time to the target is the steps a run needed to reach it times those step times
+run at their baseline's chosen LR; all four are trained here into ``OUT/links/``.
+``pufferfish bench`` measures the same model's step time of each method over loopback and
+emulated links (the same optimizer, AdamW, for every method); the time to the target is the steps a run needed to reach it times those step times
 (before a Pufferfish switch at its full-rank counterpart's).
 
     python benchmarks/lm_links.py run OUT [--dry-run]          # the LR trials and the runs
@@ -52,8 +52,8 @@ BENCH = ["--model", "llama", "--width", "0.125", "--vocab-size", "1024", "--seq-
          "--steps", "10", "--warmup", "3", "--compute-steps", "5", "--rounds", "2"]
 
 
-# The compressed and infrequent baselines get the study's LR rule (its base grid, grown past an
-# edge): as many trials as full rank had; a composition with Pufferfish takes its baseline's LR,
+# The compressed and infrequent baselines get the study's LR rule (full rank's base grid, grown
+# past an edge while the best sits there); a composition with Pufferfish takes its baseline's LR,
 # as Pufferfish's settings take theirs.
 TUNED = ("powersgd", "diloco")
 
@@ -89,16 +89,15 @@ def todo(out: Path) -> list[tuple[Path, list[str], float]]:
     before a second), then every method at its chosen LR."""
     found = runs(out)
     base = study.METHODS["full"][1]
-    grids = {m: [*base, *(lr for lr in study.grow(base, _val_of(out, m)) if lr not in base)]
-             for m in TUNED}
-    trials = [(_links_dir(out, m, lrs[i]), found[m][1], lrs[i])
-              for i in range(max(map(len, grids.values()))) for m, lrs in grids.items()
-              if i < len(lrs)]
+    grids = {m: study.trial_order(base, _val_of(out, m)) for m in TUNED}
+    trials = [(_links_dir(out, m, lr), found[m][1], lr) for m, lr in study.interleaved(grids)]
     chosen = [(path, flags, lr) for path, flags, lr in found.values()
               if path is not None and lr is not None]
-    seen: set[Path] = set()
-    return [t for t in [*trials, *chosen]
-            if study.finished(t[0]) is None and not (t[0] in seen or seen.add(t[0]))]
+    pending: dict[Path, tuple[Path, list[str], float]] = {}
+    for path, flags, lr in [*trials, *chosen]:  # a chosen LR's run is one of its trials
+        if study.finished(path) is None:
+            pending.setdefault(path, (path, flags, lr))
+    return list(pending.values())
 
 
 def _curve(path: Path) -> list[tuple[int, float]]:
