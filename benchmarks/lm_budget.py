@@ -6,7 +6,7 @@ LR warm-up, cosine, weight decay 0.1, clip 1.0); validation every 100 steps (for
 once at the end (for reporting), both on the first 262,144 tokens of their splits; a checkpoint
 every 100 steps, so a stopped study resumes where it was.
 
-    python benchmarks/lm_budget.py run OUT [--phase lr|variants|seeds] [--methods a,b] [--dry-run]
+    python benchmarks/lm_budget.py run OUT [--phase lr|variants|seeds|width] [--methods a,b] [--dry-run]
     python benchmarks/lm_budget.py summary OUT [--md FILE] [--png FILE]
     python benchmarks/lm_budget.py lag OUT --lr LR [--reference lowrank]
 
@@ -19,7 +19,11 @@ runs to take the new points); phase ``variants`` is each candidate against the s
 method's LR chosen on validation by phase ``lr`` (for Pufferfish the method or variant with the
 best validation at 20 tokens per parameter). ``summary`` prints the tables, the LR chosen per
 method, the decision rule's verdict per budget, and plots test perplexity against tokens per
-parameter.
+parameter. Phase ``width`` repeats the comparison at width 0.25 (``OUT/w0.25/``), 20 tokens per
+parameter, seed 0: full rank and low rank from the start at the two ladder LRs around the best
+LR at width 0.125 scaled as 1/width (``width_lrs``), then Pufferfish with the default switch
+(10% of the steps, ``--switch-momentum auto``) at full rank's better LR, then seed 1 of full
+and low rank at their better LRs where the two land within width 0.125's largest seed spread.
 
 The decision rule, fixed before the runs: at a budget, the warm-up matters when full rank beats
 low rank from the start by more than twice the larger seed spread (max - min over 3 seeds), and
@@ -41,7 +45,9 @@ from pathlib import Path
 
 from pufferfish.training.checkpoint import latest_checkpoint
 
-BASE = ["--model", "llama", "--data", "kjv+gcide", "--width", "0.125", "--seq-len", "128",
+WIDTH = 0.125  # the study's width; phase ``width`` runs WIDE too
+WIDE = 0.25
+BASE = ["--model", "llama", "--data", "kjv+gcide", "--seq-len", "128",
         "--vocab-size", "1024", "--batch-size", "64", "--eval-every-steps", "100",
         "--test-subset", "262144", "--bucket-mb", "torch", "--threads", "1", "--no-progress",
         "--epochs", "4", "--checkpoint-every-steps", "100"]
@@ -53,6 +59,9 @@ METHODS: dict[str, tuple[list[str], list[float]]] = {
                     "--switch-momentum", "project"], [3e-3, 1e-2, 1e-3]),
     "galore": (["--mode", "galore", "--galore-scale", "0.25"], [1e-2, 3e-2, 3e-3]),
 }
+# phase ``width``'s Pufferfish: the default switch (10% of the steps, the optimizer as auto
+# carries it); its LR is full rank's better one at that width
+WIDE_PUFF = {"puff10auto": ["--mode", "pufferfish", "--warmup-steps", "0.10"]}
 # Pufferfish's other settings, each tried once at puff10proj's chosen LR (on validation): the
 # switch point, Adam's moments reset or projected, and candidates against the switch's cost.
 # name -> (flags, base method whose LR it takes). First in the queue, first run.
@@ -79,8 +88,10 @@ LR_BUDGET, BUDGETS, SEEDS = 20.0, (1.0, 5.0, 20.0), (0, 1, 2)
 LADDER = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]  # where a grid grows past its edge
 
 
-def run_dir(out: Path, budget: float, method: str, lr: float, seed: int) -> Path:
-    return out / f"tpp{budget:g}" / f"{method}-lr{lr:g}-s{seed}"
+def run_dir(out: Path, budget: float, method: str, lr: float, seed: int,
+            width: float = WIDTH) -> Path:
+    root = out if width == WIDTH else out / f"w{width:g}"
+    return root / f"tpp{budget:g}" / f"{method}-lr{lr:g}-s{seed}"
 
 
 def finished(path: Path) -> dict | None:
@@ -186,23 +197,63 @@ def queue(out: Path, phase: str, methods: list[str],
     return [t for t in todo if finished(run_dir(out, *t)) is None]
 
 
+def width_lrs(out: Path, width: float = WIDE) -> list[float]:
+    """The two ladder LRs around full rank's chosen LR at width 0.125 scaled as 1/width (the
+    scaled LR itself when it is on the ladder, with its upper neighbour)."""
+    base = chosen_lr(out, "full") or 1e-2
+    scaled = base * WIDTH / width
+    below = max(lr for lr in LADDER if lr <= scaled * 1.0001)
+    return [below, LADDER[LADDER.index(below) + 1]]
+
+
+def width_queue(out: Path, width: float = WIDE) -> list[tuple[float, str, float, int, float]]:
+    """Phase ``width``'s runs still to do, in order (see the module's docstring)."""
+    lrs = width_lrs(out, width)
+    todo = [(LR_BUDGET, m, lr, 0, width) for lr in lrs for m in ("full", "lowrank")]
+
+    def val(m: str, lr: float, seed: int = 0) -> float | None:
+        return best_val(run_dir(out, LR_BUDGET, m, lr, seed, width))
+
+    def better(m: str) -> float | None:
+        vals = {lr: val(m, lr) for lr in lrs}
+        return None if None in vals.values() else min(lrs, key=vals.__getitem__)
+
+    if (lr_full := better("full")) is not None:
+        todo.append((LR_BUDGET, "puff10auto", lr_full, 0, width))
+        lr_low = better("lowrank")
+        spread = max((max(v) - min(v) for m in ("full", "lowrank")
+                      if len(v := [r["test_ppl"] for r in table(out) if r["method"] == m
+                                   and r["budget"] == LR_BUDGET]) > 1), default=0.0)
+        close = lr_low is not None and abs(
+            finished(run_dir(out, LR_BUDGET, "full", lr_full, 0, width))["test_ppl"]
+            - finished(run_dir(out, LR_BUDGET, "lowrank", lr_low, 0, width))["test_ppl"]) <= spread
+        if close:
+            todo += [(LR_BUDGET, "full", lr_full, 1, width), (LR_BUDGET, "lowrank", lr_low, 1, width)]
+    return [t for t in todo if finished(run_dir(out, *t)) is None]
+
+
 def flags(method: str) -> list[str]:
+    if method in WIDE_PUFF:
+        return WIDE_PUFF[method]
     return VARIANTS[method][0] if method in VARIANTS else METHODS[method][0]
 
 
-def launch(out: Path, budget: float, method: str, lr: float, seed: int) -> bool:
-    return train(run_dir(out, budget, method, lr, seed), flags(method), lr, seed, budget)
+def launch(out: Path, budget: float, method: str, lr: float, seed: int,
+           width: float = WIDTH) -> bool:
+    return train(run_dir(out, budget, method, lr, seed, width), flags(method), lr, seed, budget,
+                 width)
 
 
-def train(path: Path, method_flags: list[str], lr: float, seed: int, budget: float) -> bool:
-    """One 2-process run of the study's recipe (``BASE``) with ``method_flags`` into ``path``,
-    resumed from its newest checkpoint if it has one; True when it finished."""
+def train(path: Path, method_flags: list[str], lr: float, seed: int, budget: float,
+          width: float = WIDTH) -> bool:
+    """One 2-process run of the study's recipe (``BASE``) at ``width`` with ``method_flags``
+    into ``path``, resumed from its newest checkpoint if it has one; True when it finished."""
     path.parent.mkdir(parents=True, exist_ok=True)
     # A run stopped after a checkpoint resumes; one stopped before its first starts again.
     resume = (["--resume", "auto"] if latest_checkpoint(path) is not None else
               ["--overwrite"] if path.is_dir() else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "pufferfish", "train", *BASE, *method_flags, "--lr", f"{lr:g}",
+           "2", "-m", "pufferfish", "train", *BASE, "--width", f"{width:g}", *method_flags, "--lr", f"{lr:g}",
            "--seed", str(seed), "--tokens-per-param", f"{budget:g}", "--out", str(path), *resume]
     with open(f"{path}.log", "a") as log:
         log.write(" ".join(cmd) + "\n")
@@ -410,7 +461,7 @@ def main() -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("out", type=Path)
-    r.add_argument("--phase", choices=("lr", "variants", "seeds"), default="lr")
+    r.add_argument("--phase", choices=("lr", "variants", "seeds", "width"), default="lr")
     r.add_argument("--methods", help="default: lr every method, variants every variant, seeds "
                    "full, lowrank, galore and 'pufferfish' (the variant chosen on validation)")
     r.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS),
@@ -431,7 +482,7 @@ def main() -> int:
     if args.cmd == "summary":
         print(summary(args.out, args.md, args.png))
         return 0
-    default = {"lr": list(METHODS), "variants": list(VARIANTS),
+    default = {"lr": list(METHODS), "variants": list(VARIANTS), "width": [],
                "seeds": ["full", "lowrank", "galore", "pufferfish"]}[args.phase]
     methods = [m for m in args.methods.split(",") if m] if args.methods else default
     allowed = [*METHODS, *VARIANTS, *(["pufferfish"] if args.phase == "seeds" else [])]
@@ -448,7 +499,9 @@ def main() -> int:
         print(f"lm_budget: --budgets {args.budgets!r} is invalid; allowed a subset of "
               f"{','.join(f'{b:g}' for b in BUDGETS)}", file=sys.stderr)
         return 2
-    for item in queue(args.out, args.phase, methods, budgets):
+    todo = (width_queue(args.out) if args.phase == "width" else
+            queue(args.out, args.phase, methods, budgets))
+    for item in todo:
         if args.dry_run:
             print("would run:", run_dir(args.out, *item))
             continue
