@@ -45,10 +45,29 @@ GALORE_PROJ_TYPES = ("std", "reverse_std", "right", "left", "full")
 # full-rank warm-up (the factors from the initialization's SVD, as --mode lowrank): the best on
 # validation at 1, 5 and 20 tokens per parameter (docs/benchmarks.md, "Language models at a
 # budget"). A --warmup-epochs or --warmup-steps of the user's still switches later.
+# A default may be a function of the other values (the llama LR of the width).
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1, "schedule": "cosine",
-              "lr_warmup_epochs": 0.1, "grad_clip": 1.0, "warmup_epochs": "0"},
+    "llama": {"optimizer": "adamw", "lr": lambda values: llama_lr(float(values.get("width", 1.0))),
+              "weight_decay": 0.1, "schedule": "cosine", "lr_warmup_epochs": 0.1,
+              "grad_clip": 1.0, "warmup_epochs": "0"},
 }
+# llama's AdamW LR chosen on validation per width (20 tokens per parameter, 16,384 tokens a step,
+# seed 0; docs/benchmarks.md "Language models at a budget"): the widths the advice comes from.
+LLAMA_LR_MEASURED: dict[float, float] = {0.125: 1e-2}
+
+
+def llama_lr(width: float) -> float:
+    """The default llama LR at ``width``: the measured LR at a measured width, log-linear between
+    two measured widths, and scaled as 1/width from the nearest measured one beyond them (an
+    extrapolation: ``--help`` and the README say which widths were measured)."""
+    widths = sorted(LLAMA_LR_MEASURED)
+    if width <= widths[0] or width >= widths[-1]:
+        ref = widths[0] if width <= widths[0] else widths[-1]
+        return LLAMA_LR_MEASURED[ref] * ref / width
+    hi = next(w for w in widths if w >= width)
+    lo = widths[widths.index(hi) - 1]
+    f = math.log(width / lo) / math.log(hi / lo)
+    return math.exp((1 - f) * math.log(LLAMA_LR_MEASURED[lo]) + f * math.log(LLAMA_LR_MEASURED[hi]))
 SYNCS = ("ddp", "diloco")
 PARALLEL = ("ddp", "fsdp")
 # auto: each layer's fastest kernel, timed at the switch; a name: that kernel wherever a layer has it
@@ -115,7 +134,7 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches of batch_size per optimizer step (one gradient sync each)
     eval_batch_size: int = 512  # examples per forward pass when testing
     optimizer: str = "auto"  # sgd, adamw (auto: the model's default in MODEL_DEFAULTS, else sgd)
-    lr: float = 0.1  # learning rate (after the LR warm-up; llama: 1e-3)
+    lr: float = 0.1  # learning rate (after the LR warm-up; llama: 1e-2 x 0.125 / width, chosen on validation at width 0.125 only, other widths scaled as 1/width, not measured)
     momentum: float = 0.9  # SGD momentum (0: none)
     nesterov: bool = False  # Nesterov momentum
     weight_decay: float = 1e-4  # weight decay (SGD: L2; AdamW: decoupled, not on norms/biases/embeddings)

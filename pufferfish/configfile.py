@@ -125,7 +125,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         values[key] = coerce(key, value)
     model = values.get("model", FIELDS["model"].default)
     for key, value in MODEL_DEFAULTS.get(model, {}).items():
-        values.setdefault(key, value)
+        if key not in values:
+            values[key] = value(values) if callable(value) else value
     return TrainConfig(**values)
 
 

@@ -78,6 +78,26 @@ def test_optimizer_defaults_by_model(monkeypatch: pytest.MonkeyPatch) -> None:
     assert TrainConfig(model="transformer", data="kjv").optimizer_name == "adamw"  # auto
 
 
+def test_llama_lr_default_is_the_measured_one_and_scales_as_one_over_width_elsewhere() -> None:
+    # width 0.125: the LR chosen on validation by the budget study; elsewhere 1/width from it
+    for width, lr in config_module.LLAMA_LR_MEASURED.items():
+        assert load_config(overrides={"model": "llama", "width": width}).lr == lr
+    assert load_config(overrides={"model": "llama", "width": 0.25}).lr == pytest.approx(5e-3)
+    assert load_config(overrides={"model": "llama"}).lr == pytest.approx(1.25e-3)  # width 1
+    assert load_config(overrides={"model": "llama", "width": 0.25, "lr": "3e-3"}).lr == 3e-3
+    # between two measured widths: log-linear
+    old = dict(config_module.LLAMA_LR_MEASURED)
+    try:
+        config_module.LLAMA_LR_MEASURED.update({0.125: 1e-2, 0.5: 1e-3})
+        assert config_module.llama_lr(0.25) == pytest.approx(10 ** -2.5)
+        assert config_module.llama_lr(1.0) == pytest.approx(5e-4)
+    finally:
+        config_module.LLAMA_LR_MEASURED.clear()
+        config_module.LLAMA_LR_MEASURED.update(old)
+    # --help names the widths the advice was measured at
+    assert "width 0.125 only" in " ".join(run_cli("train", "--help").stdout.split())
+
+
 @pytest.mark.parametrize("args,message", [
     (["--optimizer", "lamb"], "optimizer 'lamb' is invalid: allowed auto, sgd, adamw"),
     (["--warmup-steps", "2.5"], "--warmup-steps 2.5 is invalid"),
