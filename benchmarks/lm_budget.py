@@ -37,13 +37,12 @@ import argparse
 import itertools
 import json
 import math
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from pufferfish.training.checkpoint import latest_checkpoint
+import sweep  # benchmarks/ is not a package: its folder on the path
+from sweep import finished
 
 WIDTH = 0.125  # the study's width; phase ``width`` runs WIDE too
 WIDE = 0.25
@@ -92,15 +91,6 @@ def run_dir(out: Path, budget: float, method: str, lr: float, seed: int,
             width: float = WIDTH) -> Path:
     root = out if width == WIDTH else out / f"w{width:g}"
     return root / f"tpp{budget:g}" / f"{method}-lr{lr:g}-s{seed}"
-
-
-def finished(path: Path) -> dict | None:
-    """The last metrics row of a finished run (it has test_ppl), else None."""
-    metrics = path / "metrics.jsonl"
-    if not metrics.is_file():
-        return None
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return rows[-1] if rows and "test_ppl" in rows[-1] else None
 
 
 def best_val(path: Path) -> float | None:
@@ -221,9 +211,11 @@ def width_queue(out: Path, width: float = WIDE) -> list[tuple[float, str, float,
     if (lr_full := better("full")) is not None:
         todo.append((LR_BUDGET, "puff10auto", lr_full, 0, width))
         lr_low = better("lowrank")
+        rows = table(out)  # width 0.125's seeds at each method's chosen LR
         spread = max((max(v) - min(v) for m in ("full", "lowrank")
-                      if len(v := [r["test_ppl"] for r in table(out) if r["method"] == m
-                                   and r["budget"] == LR_BUDGET]) > 1), default=0.0)
+                      if len(v := [r["test_ppl"] for r in rows if r["method"] == m and
+                                   r["budget"] == LR_BUDGET and r["lr"] == chosen_lr(out, m)]) > 1),
+                     default=0.0)
         close = lr_low is not None and abs(
             finished(run_dir(out, LR_BUDGET, "full", lr_full, 0, width))["test_ppl"]
             - finished(run_dir(out, LR_BUDGET, "lowrank", lr_low, 0, width))["test_ppl"]) <= spread
@@ -247,24 +239,11 @@ def launch(out: Path, budget: float, method: str, lr: float, seed: int,
 def train(path: Path, method_flags: list[str], lr: float, seed: int, budget: float,
           width: float = WIDTH) -> bool:
     """One 2-process run of the study's recipe (``BASE``) at ``width`` with ``method_flags``
-    into ``path``, resumed from its newest checkpoint if it has one; True when it finished."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A run stopped after a checkpoint resumes; one stopped before its first starts again.
-    resume = (["--resume", "auto"] if latest_checkpoint(path) is not None else
-              ["--overwrite"] if path.is_dir() else [])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "pufferfish", "train", *BASE, "--width", f"{width:g}", *method_flags, "--lr", f"{lr:g}",
-           "--seed", str(seed), "--tokens-per-param", f"{budget:g}", "--out", str(path), *resume]
-    with open(f"{path}.log", "a") as log:
-        log.write(" ".join(cmd) + "\n")
-        log.flush()
-        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
-    last = finished(path)
-    print(f"{'done' if last else 'FAILED'}: {path}"
-          + (f" val {last['val_ppl']:.2f} test {last['test_ppl']:.2f}" if last else
-             f" (exit {code}, see {path}.log)"), flush=True)
-    return last is not None
+    into ``path`` through the sweep runner (resumed from its newest checkpoint if it has one);
+    True when it finished."""
+    return sweep.train(sweep.Run(path, (*BASE, "--width", f"{width:g}", *method_flags, "--lr",
+                                        f"{lr:g}", "--seed", str(seed), "--tokens-per-param",
+                                        f"{budget:g}")))
 
 
 def table(out: Path) -> list[dict]:

@@ -1,0 +1,80 @@
+"""One cached, resumable queue of ``pufferfish train`` runs: what every study driver runs through.
+
+A study is a list of :class:`Run` (a directory and its flags). :func:`run_all` trains each one
+that has not finished (its last metrics row has a test metric), resuming a stopped run from its
+newest checkpoint, starting again one stopped before its first; each run's command and output go
+to ``RUN.log`` beside it. Drivers decide *what* to run (grids, choices on validation); this
+module owns *how*, so a stopped study resumes the same way whichever driver queued it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pufferfish.training.checkpoint import latest_checkpoint
+
+__all__ = ["Run", "finished", "run_all", "train"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One ``pufferfish train`` run: its directory, its flags (no ``--out``/``--resume``), and
+    its number of processes (2: under torchrun, one thread each)."""
+
+    path: Path
+    flags: tuple[str, ...] = field(default_factory=tuple)
+    nproc: int = 2
+
+
+def finished(path: Path) -> dict | None:
+    """The last metrics row of a finished run (it has ``test_ppl`` or ``test_acc``), else None."""
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return rows[-1] if rows and ("test_ppl" in rows[-1] or "test_acc" in rows[-1]) else None
+
+
+def command(run: Run) -> list[str]:
+    """The run's command line, resuming from its newest checkpoint if it has one."""
+    resume = (["--resume", "auto"] if latest_checkpoint(run.path) is not None else
+              ["--overwrite"] if run.path.is_dir() else [])
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", str(run.nproc)] if run.nproc > 1 else [sys.executable])
+    return [*launcher, "-m", "pufferfish", "train", *run.flags, "--out", str(run.path), *resume]
+
+
+def train(run: Run) -> bool:
+    """Train ``run`` (resumed where it stopped); True when it finished. One line says how."""
+    run.path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = command(run)
+    with open(f"{run.path}.log", "a") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    last = finished(run.path)
+    quality = ("" if last is None else f" val {last['val_ppl']:.2f} test {last['test_ppl']:.2f}"
+               if "test_ppl" in last else f" val {last.get('val_acc', float('nan')):.4f} "
+               f"test {last['test_acc']:.4f}")
+    print(f"{'done' if last else 'FAILED'}: {run.path}" + (quality if last else
+          f" (exit {code}, see {run.path}.log)"), flush=True)
+    return last is not None
+
+
+def run_all(runs: Iterable[Run], dry_run: bool = False) -> list[Run]:
+    """Train every run of ``runs`` not finished yet, in order (``dry_run``: list them); returns
+    the runs that were pending."""
+    pending = [r for r in runs if finished(r.path) is None]
+    for run in pending:
+        if dry_run:
+            print("would run:", run.path)
+        else:
+            train(run)
+    return pending
