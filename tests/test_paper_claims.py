@@ -129,3 +129,12 @@ def test_one_demo_row_from_the_current_demo(generated: Path) -> None:
     assert [i for i in claims if "demo" in i] == ["demo"]
     sources = claims["demo"]["sources"]
     assert sources and all("demo-peers-2026-12-05" in s for s in sources)
+
+
+def test_the_readme_prose_states_the_budget_rules_resolution(generated: Path) -> None:
+    """"Beyond the paper" words the budget study's verdict with the resolution the claim reports."""
+    ours = by_id(generated)["lm-budget"]["readme"]["ours"]
+    pct = re.search(r"\((\d+)% of full rank's\)", ours)[1]
+    prose = (ROOT / "README.md").read_text().split("## Beyond the paper", 1)[1]
+    assert f"differences under {pct}%" in " ".join(prose.split())
+    assert "width 0.125 only" in " ".join(prose.split())
