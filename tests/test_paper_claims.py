@@ -132,13 +132,15 @@ def test_one_demo_row_from_the_current_demo(generated: Path) -> None:
 
 
 def test_the_prose_states_the_budget_rules_resolution_as_claimed(generated: Path) -> None:
-    """README's "Beyond the paper" and docs/benchmarks.md word the budget study's verdict with the
-    resolution the claim reports: every "differences under N%" / "under X ppl" is claims.json's."""
+    """README's "Beyond the paper", docs/benchmarks.md and docs/usage.md word the budget study's
+    verdict with the resolution the claim reports: every "differences under N%" / "under X ppl" is
+    claims.json's."""
     ours = by_id(generated)["lm-budget"]["readme"]["ours"]
     bar, pct = re.search(r"under ([\d.]+) ppl \((\d+)% of full rank's\)", ours).groups()
     readme = " ".join((ROOT / "README.md").read_text().split("## Beyond the paper", 1)[1].split())
-    docs = " ".join((ROOT / "docs/benchmarks.md").read_text().split())
+    docs = " ".join(" ".join((ROOT / f"docs/{name}.md").read_text()
+                             for name in ("benchmarks", "usage")).split())
     assert f"differences under {pct}%" in readme and "width 0.125 only" in readme
     said = re.findall(r"differences under (\d+)%", readme + docs)
-    assert len(said) >= 3 and set(said) == {pct}
+    assert len(said) >= 4 and set(said) == {pct}
     assert set(re.findall(r"differences under ([\d.]+) ppl", docs)) == {bar}
