@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,45 @@ def test_the_prose_states_the_budget_rules_resolution_as_claimed(generated: Path
     said = re.findall(r"differences under (\d+)%", readme + docs)
     assert len(said) >= 4 and set(said) == {pct}
     assert set(re.findall(r"differences under ([\d.]+) ppl", docs)) == {bar}
+
+
+def _speed(claim: dict, method: str, seed: str) -> str:
+    """'2.35x [2.27–2.50]': a speed-up over DDP with its worst and best bench rounds."""
+    entry = claim["methods"][method]
+    worst, best = entry["rounds"][seed]
+    return f"{entry['seeds'][seed]:.2f}x [{worst:.2f}–{best:.2f}]"
+
+
+def _secs(claim: dict, method: str, seed: str = "0") -> str:
+    return f"{claim['methods'][method]['seeds'][seed]:,.0f} s"
+
+
+# docs/benchmarks.md's tables outside the claim blocks that quote a claim's figure: a row's start,
+# the claim, and the figure as claims.json gives it
+QUOTES = [
+    ("| 100 Mbit/s | 298.1 |", "composition",
+     lambda c: _speed(c, "pufferfish+powersgd to DDP −1", "0")),
+    ("| 100 Mbit/s | 298.1 |", "composition", lambda c: _speed(c, "powersgd to DDP −1", "0")),
+    ("| 100 Mbit/s | Pufferfish |", "time-to-accuracy", lambda c: _speed(c, "pufferfish", "1")),
+    ("| 100 Mbit/s | PowerSGD |", "time-to-accuracy", lambda c: _speed(c, "powersgd", "1")),
+    ("| DDP | 3 |", "demo", lambda c: _secs(c, "ddp")),
+    ("| PowerSGD (rank 4) | 4 |", "demo", lambda c: _secs(c, "powersgd")),
+    ("| Pufferfish | 4 |", "demo", lambda c: _secs(c, "pufferfish")),
+    ("| ddp (lr 0.01) |", "lm-budget-links", lambda c: _secs(c, "ddp: s to target @ 100mbit")),
+    ("| ddp (lr 0.01) |", "lm-budget-links", lambda c: _secs(c, "ddp: s to target @ 10mbit")),
+    ("| pufferfish (lr 0.01) |", "lm-budget-links",
+     lambda c: _secs(c, "pufferfish: s to target @ 100mbit")),
+    ("| pufferfish (lr 0.01) |", "lm-budget-links",
+     lambda c: _secs(c, "pufferfish: s to target @ 10mbit")),
+]
+
+
+@pytest.mark.parametrize("start,cid,quote", QUOTES,
+                         ids=[f"{cid}-{i}" for i, (_, cid, _) in enumerate(QUOTES)])
+def test_the_docs_tables_quote_the_claims_figures(generated: Path, start: str, cid: str,
+                                                  quote: Callable[[dict], str]) -> None:
+    """A measurement table that repeats a claim's figure repeats claims.json's, not a stale one."""
+    figure = quote(by_id(generated)[cid])
+    rows = [line for line in (ROOT / "docs/benchmarks.md").read_text().splitlines()
+            if line.startswith(start)]
+    assert any(figure in row for row in rows), (cid, figure, rows)
