@@ -83,7 +83,7 @@ from .markdown import results_markdown, train_markdown
 from .netns import EmulatedLink, cleanup_stale, netem_available, netns_available
 from .plots import plot_results
 from .probe import ProbeResult, measure_link
-from .progress import TrainingProgress
+from .progress import TrainingProgress, measuring
 from .results import project, time_to_accuracy_result, train_summary
 from .rounds import compute_check, round_plan, summarize
 from .step import HOOK_OPTIONS, hook_for, parallel_for, sync_for
@@ -182,6 +182,7 @@ def _step_argv(cfg: BenchConfig, methods: list[str], out: Path, cache: Path) -> 
         argv += ["--data-dir", cfg.data_dir]
     if cfg.compile:
         argv.append("--compile")
+    argv += ["--amp", cfg.amp]
     return argv
 
 
@@ -246,12 +247,15 @@ def _measure(cfg: BenchConfig, log: Log) -> dict[str, Any]:
                           "link_rtt_s": probed.latency_s if probed else None})
             opened[text] = link
         order = round_plan(list(opened), cfg.methods, cfg.rounds)
+        bar = stack.enter_context(measuring(sum(len(plan) for plan in order)))
         for r, plan in enumerate(order):
             log(f"round {r + 1}/{cfg.rounds}: "
                 + "; ".join(f"{text}: {', '.join(ms)}" for text, ms in plan))
             for text, methods in plan:
                 info = next(x for x in links if x["bandwidth"] == text)
+                bar.set_postfix_str(f"round {r + 1}, {text}")
                 got, err = _step_group(cfg, opened[text], methods, Path(tmp))
+                bar.update(1)
                 for rec in got:
                     rec = {"round": r, **info, **rec}
                     records.append(rec)
