@@ -401,7 +401,7 @@ def _measurement_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
                          "--no-channels-last: NCHW)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
                     help="torch.compile every method's model (compiled in the warm-up steps)")
-    ap.add_argument("--amp", choices=AMP_CHOICES, default=d.amp,
+    ap.add_argument("--amp", default=d.amp,
                     help="autocast of every timed step: bf16, or fp16 with a GradScaler (none: "
                          "full precision)")
     ap.add_argument("--bucket-mb", default=d.bucket_mb,
