@@ -191,10 +191,13 @@ def test_time_to_accuracy_at_two_latencies(tmp_path: Path, compute_ms: str,
         assert projected["lowrank_compute_ratio"] == pytest.approx(0.5)
         assert "ASSUMES the factorized model keeps the low-rank/full compute ratio" in md
         assert "note: --compute-ms gave no factorized=MS" in said
+        assert "FALLS BACK to this machine's low-rank/full ratio (0.50) for pufferfish" in md
     else:
         assert not projected["assumes_cpu_ratio"] and projected["factorized_compute_ms"] == 4.0
         assert projected["lowrank_compute_ratio"] == pytest.approx(0.4)
-        assert "factorized 4 ms (the user's figure" in md and "note:" not in said
+        assert "from `--compute-ms full=10,factorized=4`" in md and "note:" not in said
+        assert "a low-rank/full ratio of 0.40, this CPU's 0.50" in md
+        assert "FALLS BACK" not in md
 
 
 def test_projected_curves_take_the_factorized_figure() -> None:

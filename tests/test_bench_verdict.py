@@ -186,3 +186,16 @@ def test_measuring_bar_counts_the_groups() -> None:
         for _ in range(3):
             bar.update(1)
     assert bar.n == 3 and "measuring:" in out.getvalue() and "0/3" in out.getvalue()
+
+
+def test_a_step_measured_below_its_compute_stays_the_winner_at_its_own_link(
+        tmp_path: Path) -> None:
+    # DDP's step (0.25 s) came out below its compute-only step (0.3 s): noise. Its line is floored
+    # at the measured step, so at 1x it still wins; only with less bandwidth does Pufferfish's
+    # 0.25 + 0.01 x meet DDP's 0.2 + 0.05 x, at x = 1.25, i.e. 0.8x the bandwidth.
+    records = [_record("ddp", "1gbit", 1e9, 0.3, 0.0, 0.05, extra=-0.1),
+               _record("pufferfish", "1gbit", 1e9, 0.2, 0.0, 0.01, extra=0.05)]
+    _, result = _result(records, ["1gbit"], ["ddp", "pufferfish"], tmp_path)
+    (link,) = result["projection"]["verdict"]["links"]
+    assert link["sentence"] == ("1gbit: ddp is fastest; at 0.8x the bandwidth (800.0 Mbit/s) "
+                                "pufferfish catches up (α-β model).")

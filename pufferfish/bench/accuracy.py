@@ -483,7 +483,7 @@ def markdown(tta: Mapping[str, Any]) -> list[str]:
 def _compute_note(pj: Mapping[str, Any]) -> str:
     """How the projected compute times were set: the user's figures, or the CPU's ratio."""
     figures = pj.get("compute_figures") or {"full": pj["compute_ms"]}
-    given = ", ".join(f"{k}={v:g}" for k, v in figures.items())
+    given = ",".join(f"{k}={v:g}" for k, v in figures.items())
     head = (f"Compute per step from `--compute-ms {given}` (ms, one worker's batch on the "
             "user's GPU; a METHOD= figure includes its encode/decode)")
     if pj.get("assumes_cpu_ratio", True):

@@ -144,9 +144,11 @@ def _compute_source(projection: dict[str, Any]) -> str:
         return ""
     per = ", ".join(f"{m} {ms:.1f}" for m, ms in projection["compute_ms"].items())
     if set(sources.values()) == {proj.MEASURED}:
+        flag = ",".join(f"{m}={ms:.4g}" for m, ms in projection["compute_ms"].items())
         return (f" Compute per step (compute + encode/decode, ms), as measured here: {per}; "
-                "`--compute-ms` sets your hardware's.")
-    given = ", ".join(f"{k}={v:g}" for k, v in projection["compute_figures"].items())
+                f"`--compute-ms {flag}` projects with them elsewhere, and `--compute-ms` sets "
+                "another machine's.")
+    given = ",".join(f"{k}={v:g}" for k, v in projection["compute_figures"].items())
     fallback = [m for m, src in sources.items() if src == proj.CPU_RATIO]
     note = (f" FALLS BACK to this machine's low-rank/full ratio "
             f"({projection['cpu_lowrank_compute_ratio']:.2f}) for {', '.join(fallback)}: no "

@@ -215,11 +215,13 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
               "rows": rows, "compute_check": compute_check(rows), "projection": projection,
               "time_to_accuracy": time_to_accuracy_result(cfg, rows, links, projection)}
     projected = (result["time_to_accuracy"] or {}).get("projected")
-    if projected and projected["assumes_cpu_ratio"]:
-        log("note: --compute-ms gave no factorized=MS, so the projected time to accuracy assumes "
-            "the factorized model keeps this CPU's low-rank/full compute ratio "
-            f"({projected['lowrank_compute_ratio']:.2f}); give --compute-ms "
-            "full=MS,factorized=MS to use your GPU's")
+    fallback = [m for m, src in projection["compute_sources"].items() if src == "cpu ratio"]
+    if fallback:
+        log("note: --compute-ms gave no factorized=MS, so the projection"
+            + (" and the projected time to accuracy" if projected else "")
+            + " assume the factorized model keeps this CPU's low-rank/full compute ratio "
+            f"({projection['cpu_lowrank_compute_ratio']:.2f}) for {', '.join(fallback)}; give "
+            "--compute-ms full=MS,factorized=MS to use your GPU's")
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     _write_outputs(cfg, result, log)
     return result

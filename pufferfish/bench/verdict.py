@@ -5,7 +5,7 @@ Per link and method: the measured step time, bytes per step, exposed communicati
 speed-up over DDP, the fastest marked; then one sentence from the α-β model
 (:mod:`pufferfish.bench.projection`): at ``s`` times the link's bandwidth a method's step is
 
-    ``T(s) = max(compute + compress, step - wire + wire / s)``
+    ``T(s) = max(min(compute + compress, step), step - wire + wire / s)``
 
 with ``wire`` its ring bits per step over the link's rate (probed, else nominal): the measured
 step with its time on the wire rescaled, never below its compute. Each ``T`` is piecewise linear
@@ -34,7 +34,9 @@ def _line(row: dict[str, Any], bps: float) -> tuple[float, float, float]:
     prof = proj.CommProfile.for_method(row["method"], row["compute_time"], row["compress_time"],
                                        proj.projected_payload(row), row["collectives_per_step"])
     wire = prof.bits_on_wire(row["workers"]) / bps
-    return row["step_time"] - wire, wire, row["compute_time"] + row["compress_time"]
+    # Never above the measured step: a step measured below its compute (noise) stays as measured.
+    floor = min(row["compute_time"] + row["compress_time"], row["step_time"])
+    return row["step_time"] - wire, wire, floor
 
 
 def _at(line: tuple[float, float, float], x: float) -> float:
