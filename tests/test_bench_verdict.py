@@ -6,6 +6,7 @@ step workers: constructed cases whose answers are known analytically, and the CP
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from pufferfish.bench.rounds import compute_check, summarize
 from pufferfish.bench.runner import BenchConfig
 from pufferfish.bench.step import amp_for, pick_device
 from pufferfish.bench.verdict import catch_up, verdict
+from pufferfish.cli import main
 from pufferfish.training.step import timed
 
 
@@ -199,3 +201,30 @@ def test_a_step_measured_below_its_compute_stays_the_winner_at_its_own_link(
     (link,) = result["projection"]["verdict"]["links"]
     assert link["sentence"] == ("1gbit: ddp is fastest; at 0.8x the bandwidth (800.0 Mbit/s) "
                                 "pufferfish catches up (α-β model).")
+
+
+def test_compute_ms_alone_projects_saved_results_and_says_it_falls_back(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # --compute-ms no longer needs --accuracy-runs: the cluster projection uses it.
+    saved = tmp_path / "saved.json"
+    methods = ["ddp", "powersgd", "pufferfish"]
+    saved.write_text(json.dumps({
+        "config": {"model": "resnet18", "width": 0.5, "methods": methods,
+                   "bandwidths": ["100mbit"], "workers": 2, "rounds": 1},
+        "rounds": SLOW, "links": [{"bandwidth": "100mbit", "bandwidth_bps": 1e8,
+                                   "delay_ms": 0.0, "link_bps": 1e8, "link_rtt_s": None}],
+        "order": [[["100mbit", methods]]], "skipped": [], "failures": [], "rows": []}))
+    out = tmp_path / "out"
+    assert main(["bench", "--from-results", str(saved), "--compute-ms", "9.5",
+                 "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "note: --compute-ms gave no factorized=MS, so the projection assume" in said
+    md = (out / "results.md").read_text().splitlines()
+    assert md[2].startswith("| link | method | step ms |")
+    assert "100mbit: powersgd is fastest; at 10x the bandwidth (1.0 Gbit/s) ddp catches up " \
+           "(α-β model)." in md
+    assert any("FALLS BACK to this machine's low-rank/full ratio (0.50) for pufferfish" in line
+               for line in md)
+    pj = json.loads((out / "projection.json").read_text())
+    assert pj["compute_sources"] == {"ddp": "model", "powersgd": "model",
+                                     "pufferfish": "cpu ratio"}
