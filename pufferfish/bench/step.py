@@ -68,9 +68,10 @@ Pufferfish factorizes; ``--compile`` compiles every method's model (warm-up step
 
 Device (:func:`pick_device`): with ``--device auto`` each rank runs on a GPU when CUDA is there
 (rank ``r`` on GPU ``r mod count``), with NCCL when every rank has its own GPU and gloo when ranks
-share one (NCCL refuses two ranks on one device); FSDP2 methods stay on the CPU. Every timed step
-is wrapped in ``torch.cuda.synchronize()`` (:func:`pufferfish.training.step.timed`), so its time
-is the GPU's work, not the launches; warm-up steps are never timed. ``--amp bf16|fp16`` runs the
+share one (NCCL refuses two ranks on one device); a group with an FSDP2 method runs on the CPU
+(its records say so: ``device``). Every timed step is wrapped in ``torch.cuda.synchronize()``
+(:func:`pufferfish.training.step.timed`), so its time is the GPU's work, not the launches;
+warm-up steps are never timed. ``--amp bf16|fp16`` runs the
 forward under autocast (fp16 with a GradScaler, whose state the compute-only steps restore too).
 On CUDA the hook's ``compress_time`` is host time around its launches (a lower bound); the
 exposed communication (``comm_time``) is still step - compute-only step, both synchronized.
