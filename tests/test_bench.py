@@ -221,7 +221,11 @@ def test_time_to_accuracy(tmp_path: Path) -> None:
      "RATE or RATE@DELAY"),
     (["--bandwidth", "loopback,100mbit@abc"], "--bandwidth entry '100mbit@abc' is invalid"),
     (["--bandwidth", "loopback@5ms"], "loopback has no emulated link to delay"),
-    (["--compute-ms", "10"], "give --accuracy-runs too"),
+    (["--compute-ms", "full=9.5,gossip=3"], "--compute-ms 'full=9.5,gossip=3' is invalid"),
+    (["--compute-ms", "powersgd=38"], "full= (or ddp=) required"),
+    (["--amp", "fp8"], "--amp 'fp8' is invalid: allowed none, bf16, fp16"),
+    (["--amp", "fp16", "--methods", "ddp,signum"],
+     "--amp fp16 is invalid with method 'signum'"),
     (["--accuracy-runs", "ddp=x,gossip=y"], "unknown method 'gossip' in --accuracy-runs"),
     (["--accuracy-runs", "pufferfish=x"], "has no ddp run"),
     (["--accuracy-runs", "ddp"], "allowed METHOD=RUN_DIR"),
@@ -264,7 +268,20 @@ def loopback_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert rc == 0
     assert (out / "results.md").exists() and (out / "projection.json").exists()
     assert (out / "step_time.png").stat().st_size > 0 and (out / "projection.png").exists()
-    return json.loads((out / "results.json").read_text())
+    return {**json.loads((out / "results.json").read_text()), "out": str(out)}
+
+
+@needs_fashion
+def test_loopback_results_md_opens_with_the_verdict(loopback_result: dict[str, Any]) -> None:
+    lines = (Path(loopback_result["out"]) / "results.md").read_text().splitlines()
+    assert lines[2].startswith("| link | method | step ms | compute ms | exposed comm ms |")
+    fastest = min(loopback_result["rows"], key=lambda r: r["step_time"])["method"]
+    assert f"| loopback | {fastest} | " in lines[4] + lines[5]
+    assert sum("**fastest**" in line for line in lines[4:6]) == 1
+    # --no-probe on loopback: no rate, so the sentence says it cannot project.
+    assert lines[7].startswith(f"loopback: {fastest} is fastest; the link has no measured rate")
+    assert loopback_result["rounds"][0]["device"] == "cpu"  # no GPU here: gloo on the CPU
+    assert loopback_result["rounds"][0]["amp"] == "none"
 
 
 @needs_fashion

@@ -46,15 +46,20 @@ def test_parse_link_refuses_in_one_line_naming_the_flag(text: str) -> None:
 
 
 @pytest.mark.parametrize(("value", "expected"), [
-    ("40", (40.0, None)), (12.5, (12.5, None)), ("full=40", (40.0, None)),
-    ("full=40,factorized=22", (40.0, 22.0)), (" factorized=2 , full=4 ", (4.0, 2.0)),
+    ("40", {"full": 40.0}), (12.5, {"full": 12.5}), ("full=40", {"full": 40.0}),
+    ("full=40,factorized=22", {"full": 40.0, "factorized": 22.0}),
+    (" factorized=2 , full=4 ", {"full": 4.0, "factorized": 2.0}),
+    ("full=9.5,factorized=13.7,powersgd=38",
+     {"full": 9.5, "factorized": 13.7, "powersgd": 38.0}),
+    ("ddp=9.5,pufferfish+powersgd=20", {"ddp": 9.5, "pufferfish+powersgd": 20.0}),
 ])
-def test_parse_compute_ms(value: Any, expected: tuple[float, float | None]) -> None:
+def test_parse_compute_ms(value: Any, expected: dict[str, float]) -> None:
     assert parse_compute_ms(value) == expected
 
 
 @pytest.mark.parametrize("value", ["", "0", "-5", "x", "factorized=20", "full=4,full=5",
-                                   "full=4,lowrank=2", "full=inf", True])
+                                   "full=4,lowrank=2", "full=inf", True, "powersgd=38",
+                                   "full=9.5,gossip=3", "full=9.5,powersgd=0", "full=9.5,ddp"])
 def test_parse_compute_ms_refuses(value: Any) -> None:
     with pytest.raises(ValueError, match=r"--compute-ms .* is invalid: allowed full=MS,factorized"):
         parse_compute_ms(value)
@@ -186,10 +191,13 @@ def test_time_to_accuracy_at_two_latencies(tmp_path: Path, compute_ms: str,
         assert projected["lowrank_compute_ratio"] == pytest.approx(0.5)
         assert "ASSUMES the factorized model keeps the low-rank/full compute ratio" in md
         assert "note: --compute-ms gave no factorized=MS" in said
+        assert "FALLS BACK to this machine's low-rank/full ratio (0.50) for pufferfish" in md
     else:
         assert not projected["assumes_cpu_ratio"] and projected["factorized_compute_ms"] == 4.0
         assert projected["lowrank_compute_ratio"] == pytest.approx(0.4)
-        assert "factorized 4 ms (the user's figure" in md and "note:" not in said
+        assert "from `--compute-ms full=10,factorized=4`" in md and "note:" not in said
+        assert "a low-rank/full ratio of 0.40, this CPU's 0.50" in md
+        assert "FALLS BACK" not in md
 
 
 def test_projected_curves_take_the_factorized_figure() -> None:

@@ -9,7 +9,7 @@ accuracy against time on a slow link needs no training over that link: it combin
 * the step times :mod:`pufferfish.bench.runner` measures for the same model and batch on
   each link (median over rounds, with min–max), or projects with the α-β model of
   :mod:`pufferfish.bench.projection` for ``p`` workers at a user's GPU compute time
-  (``--compute-ms full=MS,factorized=MS``) and at each latency the
+  (``--compute-ms full=MS,factorized=MS,METHOD=MS``) and at each latency the
   projection is shown at.
 
 Time at the end of epoch ``e`` is ``sum over epochs <= e of steps_per_epoch x step time``
@@ -24,7 +24,6 @@ point (FSDP2's when there is no DDP run: ``--parallel fsdp``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -284,51 +283,41 @@ def measured_curves(
 def projected_curves(
     runs: Mapping[str, AccuracyRun],
     profiles: Sequence[proj.CommProfile],
-    compute_ms: float,
+    compute_ms: float | Mapping[str, float],
     workers: Sequence[int] = PROJECTED_WORKERS,
     bandwidths: Sequence[float] = proj.DEFAULT_BANDWIDTHS,
     alpha: float = proj.DEFAULT_ALPHA,
     factorized_ms: float | None = None,
     alphas: Sequence[float] | None = None,
-) -> tuple[list[Curve], dict[str, float]]:
+) -> tuple[list[Curve], dict[str, Any]]:
     """Curves for ``p`` workers at each bandwidth (and each of ``alphas``, default ``alpha``),
     with step times from the α-β model.
 
-    The full-rank model computes ``compute_ms`` per step (the user's GPU time for one
-    worker's batch) and the factorized one ``factorized_ms``; every measured compute-side time
-    (compute, a hook's encode/decode) of a model is scaled by that model's factor (user's ms /
-    measured ms here). Without ``factorized_ms`` the factorized model is scaled by the
-    full-rank factor, i.e. keeps the low-rank/full compute ratio measured on this CPU
-    (``info["assumes_cpu_ratio"]``). Communication is the model's, with no overlap. Weak
-    scaling: each worker keeps the runs' batch, so an epoch has ``N // p // batch`` steps, and
-    accuracy per epoch is assumed to stay that of the runs (an assumption at a larger global
-    batch). Returns the curves and ``{"scale", "factorized_scale", "lowrank_compute_ratio"
-    (as projected), "cpu_lowrank_compute_ratio", "assumes_cpu_ratio"}``.
+    ``compute_ms`` is the user's ms per step (one worker's batch): the full-rank model's, or
+    ``--compute-ms``'s figures per key (``full``, ``factorized``, methods), ``factorized_ms``
+    the factorized model's; :func:`~pufferfish.bench.projection.with_compute` sets each
+    method's compute-side time from them, keeping this CPU's low-rank/full ratio where no
+    factorized figure is given (``info["assumes_cpu_ratio"]``). Communication is the model's,
+    with no overlap. Weak scaling: each worker keeps the runs' batch, so an epoch has
+    ``N // p // batch`` steps, and accuracy per epoch is assumed to stay that of the runs (an
+    assumption at a larger global batch). Returns the curves and ``{"scale",
+    "factorized_scale", "lowrank_compute_ratio" (as projected), "cpu_lowrank_compute_ratio",
+    "assumes_cpu_ratio", "sources"}``.
     """
-    by_method = {p.method: p for p in profiles}
-    base = by_method.get("ddp") or next(
-        (p for p in profiles if not hook_for(p.method)[0]), None)
-    if base is None or base.compute_time <= 0:
-        raise ValueError("the projection needs a measured full-rank method (e.g. ddp)")
-    low = by_method.get("pufferfish") or next(
-        (p for p in profiles if hook_for(p.method)[0]), None)
-    scale = compute_ms / 1e3 / base.compute_time
-    low_scale = (factorized_ms / 1e3 / low.compute_time
-                 if factorized_ms is not None and low is not None and low.compute_time > 0
-                 else scale)
-    cpu_ratio = low.compute_time / base.compute_time if low is not None else math.nan
-    info = {"scale": scale, "factorized_scale": low_scale,
-            "lowrank_compute_ratio": cpu_ratio * low_scale / scale,
-            "cpu_lowrank_compute_ratio": cpu_ratio, "assumes_cpu_ratio": factorized_ms is None}
+    figures = (dict(compute_ms) if isinstance(compute_ms, Mapping)
+               else {"full": float(compute_ms)})
+    if factorized_ms is not None:
+        figures["factorized"] = factorized_ms
+    gpu = proj.with_compute(list(profiles), figures)
+    info = {"scale": gpu.scale, "factorized_scale": gpu.factorized_scale,
+            "lowrank_compute_ratio": gpu.cpu_ratio * gpu.factorized_scale / gpu.scale,
+            "cpu_lowrank_compute_ratio": gpu.cpu_ratio,
+            "assumes_cpu_ratio": gpu.assumes_cpu_ratio, "sources": gpu.sources}
+    by_method = {p.method: p for p in gpu.profiles}
 
     def step_at(method: str, p: int, bw: float, a: float) -> StepTime | None:
         prof = by_method.get(method)
-        if prof is None:
-            return None
-        k = low_scale if hook_for(method)[0] else scale
-        gpu = proj.CommProfile(prof.method, prof.compute_time * k, prof.compress_time * k,
-                               prof.payload_bytes, prof.collectives, prof.kind)
-        return StepTime.exact(proj.step_time(gpu, p, bw, a))
+        return None if prof is None else StepTime.exact(proj.step_time(prof, p, bw, a))
 
     curves: list[Curve] = []
     latencies = list(alphas) if alphas else [alpha]
@@ -493,18 +482,19 @@ def markdown(tta: Mapping[str, Any]) -> list[str]:
 
 def _compute_note(pj: Mapping[str, Any]) -> str:
     """How the projected compute times were set: the user's figures, or the CPU's ratio."""
-    head = (f"Full-rank compute {pj['compute_ms']:g} ms per step (`--compute-ms`, one worker's "
-            "batch on the user's GPU)")
+    figures = pj.get("compute_figures") or {"full": pj["compute_ms"]}
+    given = ",".join(f"{k}={v:g}" for k, v in figures.items())
+    head = (f"Compute per step from `--compute-ms {given}` (ms, one worker's batch on the "
+            "user's GPU; a METHOD= figure includes its encode/decode)")
     if pj.get("assumes_cpu_ratio", True):
-        return (f"{head}; no factorized figure given, so every compute-side time measured here "
-                f"(compute, hook encode/decode) is scaled by the same factor {pj['scale']:.3g}: "
-                "ASSUMES the factorized model keeps the low-rank/full compute ratio of this CPU "
+        return (f"{head}; no factorized figure given, so the factorized model's compute-side "
+                f"times are scaled by the full-rank factor {pj['scale']:.3g}: ASSUMES the "
+                "factorized model keeps the low-rank/full compute ratio of this CPU "
                 f"({pj['lowrank_compute_ratio']:.2f}); the MAC ratio would flatter it, as small "
                 "factorized layers do not run at full speed.")
-    return (f"{head}, factorized {pj['factorized_compute_ms']:g} ms (the user's figure: a "
-            f"low-rank/full ratio of {pj['lowrank_compute_ratio']:.2f}, this CPU's "
-            f"{pj['cpu_lowrank_compute_ratio']:.2f}); each model's hook encode/decode is scaled "
-            "by its model's factor.")
+    return (f"{head}: a low-rank/full ratio of {pj['lowrank_compute_ratio']:.2f}, this CPU's "
+            f"{pj['cpu_lowrank_compute_ratio']:.2f}; a method without its own figure has its "
+            "hook encode/decode scaled by its model's factor.")
 
 
 def _alphas(pj: Mapping[str, Any]) -> str:

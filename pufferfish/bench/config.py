@@ -31,6 +31,7 @@ from .step import (
 )
 
 __all__ = [
+    "AMP_CHOICES",
     "COMPUTE_MS_FORM",
     "DEFAULT_METHODS",
     "IMAGE_MODELS",
@@ -49,14 +50,18 @@ IMAGE_MODELS = ("resnet18", "vgg19_bn")
 STEP_TIMEOUT = 3600.0  # per worker group, when --timeout is not given
 
 
-COMPUTE_MS_FORM = ("full=MS,factorized=MS, your GPU's ms per step of each model with MS > 0 "
-                   "(e.g. full=40,factorized=22), or full=MS / MS alone")
+COMPUTE_MS_FORM = ("full=MS,factorized=MS[,METHOD=MS...], your hardware's ms per step with "
+                   "MS > 0: full= / factorized= each model's compute, METHOD= one method's "
+                   "compute with its encode/decode (e.g. full=9.5,factorized=13.7,powersgd=38); "
+                   "full= (or ddp=) required; MS alone is full=MS")
+AMP_CHOICES = ("none", "bf16", "fp16")
 
 
-def parse_compute_ms(value: str | float) -> tuple[float, float | None]:
-    """``--compute-ms`` as ``(full-rank ms, factorized ms or None)``; ``ValueError`` (one line)
-    names the value and :data:`COMPUTE_MS_FORM`. Without the factorized figure the projection
-    scales the factorized model's time by the CPU's low-rank/full ratio (:func:`~pufferfish.bench.accuracy.projected_curves`).
+def parse_compute_ms(value: str | float) -> dict[str, float]:
+    """``--compute-ms`` as ``{key: ms}``, key ``full``, ``factorized`` or a bench method; the old
+    forms (``MS``, ``full=MS``, ``full=MS,factorized=MS``) keep their meaning. ``ValueError``
+    (one line) names the value and :data:`COMPUTE_MS_FORM`. How the projection uses each figure,
+    and where it falls back to this CPU's ratios: :func:`~pufferfish.bench.projection.with_compute`.
     """
     bad = ValueError(f"--compute-ms {str(value)!r} is invalid: allowed {COMPUTE_MS_FORM}")
     if isinstance(value, bool):
@@ -69,12 +74,13 @@ def parse_compute_ms(value: str | float) -> tuple[float, float | None]:
             number = float(ms)
         except ValueError:
             raise bad from None
-        if key not in ("full", "factorized") or key in found or not 0 < number < math.inf:
+        known = key in ("full", "factorized") or key in BENCH_METHODS
+        if not known or key in found or not 0 < number < math.inf:
             raise bad
         found[key] = number
-    if "full" not in found:
+    if "full" not in found and "ddp" not in found:
         raise bad
-    return found["full"], found.get("factorized")
+    return found
 
 
 @dataclass
@@ -103,6 +109,7 @@ class BenchConfig:
     probe: bool = True
     channels_last: bool = True  # conv weights NHWC, as `pufferfish train` has them by default
     compile: bool = False  # torch.compile every method's model (compiled in the warm-up steps)
+    amp: str = "none"  # autocast of the timed steps: bf16, or fp16 with a GradScaler
     bucket_mb: str = "auto"  # DDP bucket cap (MiB), torch's default, or each method's fastest
     timeout: float = 0.0  # 0: STEP_TIMEOUT per step group, no limit per training run
     out: str = "runs/bench"
@@ -158,6 +165,7 @@ class BenchConfig:
             raise ValueError(f"width {self.width!r} is invalid: allowed > 0")
         self._validate_grad_accum()
         parse_bucket_mb(self.bucket_mb)
+        self._validate_amp()
         if self.powersgd_start_iter < 2:
             raise ValueError(
                 f"powersgd_start_iter {self.powersgd_start_iter} is invalid: allowed >= 2 "
@@ -218,6 +226,18 @@ class BenchConfig:
             raise ValueError(f"--grad-accum {n} is invalid with --train or --accuracy-runs "
                              "(time to accuracy counts steps of one batch): allowed 1, or step "
                              "times only")
+    def _validate_amp(self) -> None:
+        """``--amp``: a known precision, and none that a method cannot take."""
+        if self.amp not in AMP_CHOICES:
+            raise ValueError(f"--amp {self.amp!r} is invalid: allowed {', '.join(AMP_CHOICES)}")
+        if self.amp == "fp16" and "signum" in self.methods:
+            raise ValueError("--amp fp16 is invalid with method 'signum' (its +-1 votes ignore "
+                             "the GradScaler's loss scale): allowed --amp bf16 or none")
+        sharded = [m for m in self.methods if m in FSDP_METHODS]
+        if self.amp != "none" and sharded:
+            raise ValueError(f"--amp {self.amp} is invalid with {sharded[0]} (the FSDP2 bench "
+                             "times full precision): allowed --amp none")
+
     def _validate_methods(self) -> None:
         """``--methods``: known, each once, and compared with one optimizer per workload."""
         if not self.methods:
@@ -265,9 +285,6 @@ class BenchConfig:
             raise ValueError(f"accuracy_processes {self.accuracy_processes} is invalid: allowed "
                              ">= 1, or 0 for --workers")
         if not self.accuracy_runs:
-            if self.compute_ms is not None:
-                raise ValueError("--compute-ms projects time to accuracy: give --accuracy-runs "
-                                 "too")
             return
         if self.train:
             raise ValueError("--accuracy-runs uses measured step times: not with --train, which "
@@ -384,6 +401,9 @@ def _measurement_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
                          "--no-channels-last: NCHW)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
                     help="torch.compile every method's model (compiled in the warm-up steps)")
+    ap.add_argument("--amp", default=d.amp,
+                    help="autocast of every timed step: bf16, or fp16 with a GradScaler (none: "
+                         "full precision)")
     ap.add_argument("--bucket-mb", default=d.bucket_mb,
                     help="DDP's gradient bucket cap in MiB, 'torch' (torch's default) or 'auto' "
                          "(each method's fastest, timed on its own steps)")
@@ -410,12 +430,14 @@ def _output_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
     ap.add_argument("--accuracy-processes", type=int, default=d.accuracy_processes,
                     metavar="N", help="processes the --accuracy-runs trained on, when not "
                     "--workers (e.g. 1: one GPU at batch 128 for 2 workers x 64); 0: --workers")
-    ap.add_argument("--compute-ms", default=d.compute_ms, metavar="full=MS,factorized=MS",
-                    help="with --accuracy-runs: your GPU's time per training step of the "
-                         "full-rank and the factorized model (one worker's batch), to project "
-                         "time to accuracy for 8 and 64 workers at 1/10/100 Gbit/s; a single MS "
-                         "(or no factorized=) scales the factorized model by this CPU's "
-                         "low-rank/full ratio, an assumption the results state")
+    ap.add_argument("--compute-ms", default=d.compute_ms,
+                    metavar="full=MS,factorized=MS,METHOD=MS",
+                    help="your GPU's ms per training step (one worker's batch) of the full-rank "
+                         "and factorized models, and of any method with its encode/decode (e.g. "
+                         "full=9.5,factorized=13.7,powersgd=38), for the projection to 8-64 "
+                         "workers at 1/10/100 Gbit/s and (with --accuracy-runs) time to "
+                         "accuracy; without factorized= the factorized model keeps this CPU's "
+                         "low-rank/full ratio, which the results state")
     ap.add_argument("--from-results", default=d.from_results, metavar="RESULTS_JSON",
                     help="reuse the step times of an earlier bench (its results.json, or its "
                          "--out directory) instead of measuring; measurement flags are ignored")
@@ -459,7 +481,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         **{option.key: getattr(args, option.key) for option in HOOK_OPTIONS},
         threads=args.threads,
         data_dir=args.data_dir, alpha=args.alpha_us * 1e-6, probe=args.probe,
-        channels_last=args.channels_last, compile=args.compile, bucket_mb=args.bucket_mb,
+        channels_last=args.channels_last, compile=args.compile, amp=args.amp,
+        bucket_mb=args.bucket_mb,
         timeout=args.timeout, out=args.out, overwrite=args.overwrite, train=args.train,
         epochs=args.epochs,
         method_epochs=args.method_epochs,
@@ -504,7 +527,7 @@ def parallel_methods(methods: list[str], parallel: str) -> list[str]:
 # Settings that describe a measurement, taken from the results when reused.
 _MEASURED = ("model", "width", "methods", "parallel", "bandwidths", "workers", "steps", "warmup",
              "compute_steps", "batch_size", "grad_accum", *(option.key for option in HOOK_OPTIONS), "threads",
-             "rounds", "channels_last", "compile", "bucket_mb", "inner_steps", "seq_len",
+             "rounds", "channels_last", "compile", "amp", "bucket_mb", "inner_steps", "seq_len",
              "vocab_size")
 
 
@@ -531,6 +554,7 @@ def load_results(path: str) -> dict[str, Any]:
 
 def _measured_config(path: str) -> dict[str, Any]:
     # Older results: NCHW, eager, torch's default buckets.
-    saved = {"channels_last": False, "compile": False, "bucket_mb": "torch", "parallel": "ddp",
+    saved = {"channels_last": False, "compile": False, "amp": "none", "bucket_mb": "torch",
+             "parallel": "ddp",
              **load_results(path)["config"]}
     return {k: saved[k] for k in _MEASURED if k in saved}

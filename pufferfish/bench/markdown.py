@@ -18,6 +18,7 @@ from .bandwidth import format_bps
 from .config import BenchConfig, results_path
 from .rounds import spread
 from .step import LM_MODELS
+from .verdict import verdict_markdown
 
 __all__ = ["results_markdown", "train_markdown"]
 
@@ -54,8 +55,9 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
     lines = [
         f"# pufferfish bench: {cfg.model} x{cfg.width}, {cfg.workers} workers",
         "",
+        *_verdict_lines(result),
         f"{source}Per worker: batch {cfg.batch_size} of {_data(cfg)}{_accumulation(cfg)}"
-        f"{', compiled (torch.compile)' if cfg.compile else ''}, "
+        f"{', compiled (torch.compile)' if cfg.compile else ''}{_amp(cfg)}, "
         f"{cfg.worker_threads()} torch thread(s); per method and round {cfg.warmup} warm-up "
         f"steps, {cfg.compute_steps} compute-only steps, {cfg.steps} timed steps; {cfg.rounds} "
         f"interleaved round(s). torch {torch.__version__}, {os.cpu_count()} CPUs, "
@@ -111,6 +113,48 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
     if plots:
         lines += ["", *[f"![{p.stem}]({p.name})" for p in plots]]
     return "\n".join(lines) + "\n"
+
+
+def _verdict_lines(result: dict[str, Any]) -> list[str]:
+    """The opening table and sentences (:mod:`pufferfish.bench.verdict`), then how to read them;
+    nothing for results from before the verdict."""
+    v = result["projection"].get("verdict")
+    lines = verdict_markdown(v) if v else []
+    if not lines:
+        return []
+    return [*lines, "",
+            "Medians over rounds on each link: step = a full step with the method's comm hook; "
+            "compute = the same step without communication; exposed comm = step - compute (the "
+            "communication, with encode/decode, that overlap did not hide); encode/decode = the "
+            "hook's own timer; MB = payload per step. The sentence: the α-β model with each "
+            "method's time on the wire rescaled (bench/verdict.py). Details below.", ""]
+
+
+def _amp(cfg: BenchConfig) -> str:
+    """``--amp``: the autocast of the timed steps (``bf16``, ``fp16`` with a GradScaler)."""
+    amp = getattr(cfg, "amp", "none")
+    return "" if amp == "none" else f", {amp} autocast" + (
+        " with a GradScaler" if amp == "fp16" else "")
+
+
+def _compute_source(projection: dict[str, Any]) -> str:
+    """Where the projection's compute per method came from, the CPU-ratio fallback named."""
+    sources = projection.get("compute_sources")
+    if not sources:
+        return ""
+    per = ", ".join(f"{m} {ms:.1f}" for m, ms in projection["compute_ms"].items())
+    if set(sources.values()) == {proj.MEASURED}:
+        flag = ",".join(f"{m}={ms:.4g}" for m, ms in projection["compute_ms"].items())
+        return (f" Compute per step (compute + encode/decode, ms), as measured here: {per}; "
+                f"`--compute-ms {flag}` projects with them elsewhere, and `--compute-ms` sets "
+                "another machine's.")
+    given = ",".join(f"{k}={v:g}" for k, v in projection["compute_figures"].items())
+    fallback = [m for m, src in sources.items() if src == proj.CPU_RATIO]
+    note = (f" FALLS BACK to this machine's low-rank/full ratio "
+            f"({projection['cpu_lowrank_compute_ratio']:.2f}) for {', '.join(fallback)}: no "
+            "factorized= figure was given." if fallback else "")
+    return (f" Compute per step (compute + encode/decode, ms) from `--compute-ms {given}`: "
+            f"{per}.{note}")
 
 
 def _link_rows(result: dict[str, Any]) -> list[list[str]]:
@@ -235,7 +279,7 @@ def _projection_markdown(projection: dict[str, Any]) -> list[str]:
         "method's median compress + modelled communication with no overlap; all-reduce methods send 2(p-1)/p "
         "of their payload, all-gather ones (signum, topk) (p-1) times it, FSDP2 (p-1)/p of the "
         "unsharded bytes its all-gathers and reduce-scatters move. Cells: step ms "
-        "(speedup vs ddp).",
+        "(speedup vs ddp)." + _compute_source(projection),
     ]
     for a in alphas:
         for p in projection["workers"]:
@@ -254,7 +298,6 @@ def _projection_markdown(projection: dict[str, Any]) -> list[str]:
             title = f"p = {p}" + (f", α = {proj.format_alpha(a)}" if len(alphas) > 1 else "")
             lines += ["", f"### {title}", "", *markdown_table(head, table)]
     return lines
-
 
 
 def train_markdown(cfg: BenchConfig, runs: list[dict[str, Any]],

@@ -1,4 +1,5 @@
-"""``pufferfish bench --train`` (and ``make demo``) say which run is training and how far it is.
+"""``pufferfish bench`` says how far it is: a progress bar over the worker groups while it measures
+(:func:`measuring`), and for ``--train`` (and ``make demo``) which run is training and how far.
 
 The training processes write one ``metrics.jsonl`` row per finished epoch (atomically, rank 0);
 while they run, a thread of the bench reads that file and prints a line for each new epoch:
@@ -15,9 +16,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import IO, Any
 
-__all__ = ["TrainingProgress", "duration"]
+from tqdm import tqdm
+
+__all__ = ["TrainingProgress", "duration", "measuring"]
+
+
+def measuring(groups: int, file: IO[str] | None = None) -> tqdm:
+    """A tqdm bar over the ``groups`` worker groups of a bench's rounds (one per round and link),
+    on stderr when it is a terminal (``file``: always there); close it, or use it in a ``with``."""
+    return tqdm(total=groups, desc="measuring", unit="group", file=file, leave=False,
+                disable=None if file is None else False, dynamic_ncols=True)
 
 
 def duration(seconds: float) -> str:

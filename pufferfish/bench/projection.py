@@ -28,7 +28,9 @@ A method's projected step time is ``compute + compress + T``: no overlap of comm
 with backward is assumed, so this is an upper bound on a real step, the same quantity
 the benchmark reports as ``comm_time`` (``step - compute``, the communication that
 overlap did NOT hide). ``compute`` and ``compress`` are taken as measured on the benchmark
-machine and assumed not to depend on ``p``.
+machine (so a bench run on your GPUs supplies its own per-method compute split), or set per
+method from ``--compute-ms`` (:func:`with_compute`, which says where it fell back to this
+machine's ratios), and assumed not to depend on ``p``.
 
 Against DDP both step times are ``fixed + slope / B`` curves, so there is at most one
 crossover bandwidth ``B* = (slope_ddp - slope_m) / (fixed_m - fixed_ddp)``: a method
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..distributed.hooks import hook_family
-from .step import BENCH_METHODS, FSDP_METHODS
+from .step import BENCH_METHODS, FSDP_METHODS, hook_for
 
 __all__ = [
     "ALLGATHER_METHODS",
@@ -53,6 +55,7 @@ __all__ = [
     "DEFAULT_BANDWIDTHS",
     "DEFAULT_WORKERS",
     "CommProfile",
+    "Compute",
     "Crossover",
     "comm_time",
     "crossover",
@@ -61,6 +64,7 @@ __all__ = [
     "project",
     "projected_payload",
     "step_time",
+    "with_compute",
 ]
 
 DEFAULT_ALPHA = 50e-6  # s per message: a typical TCP/Ethernet latency in a data center
@@ -232,6 +236,73 @@ def project(
                     }
                 )
     return rows
+
+
+# Where a projected method's compute came from (``Compute.sources``).
+MEASURED, GIVEN, MODEL, CPU_RATIO = "measured", "given", "model", "cpu ratio"
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Profiles with compute-side times set from ``--compute-ms``, and where each came from:
+    ``measured`` (no figures), ``given`` (the method's own ``METHOD=MS``: compute and
+    encode/decode), ``model`` (its model's ``full=`` / ``factorized=``, encode/decode scaled by
+    the same factor) or ``cpu ratio`` (a factorized method without ``factorized=``: scaled by the
+    full-rank factor, i.e. this machine's low-rank/full ratio kept). ``scale`` /
+    ``factorized_scale``: given ms over measured ms of each model; ``cpu_ratio``: the measured
+    factorized/full compute ratio."""
+
+    profiles: list[CommProfile]
+    sources: dict[str, str]
+    scale: float = 1.0
+    factorized_scale: float = 1.0
+    cpu_ratio: float = math.nan
+
+    @property
+    def assumes_cpu_ratio(self) -> bool:
+        return CPU_RATIO in self.sources.values()
+
+
+def _reference(profiles: list[CommProfile], method: str, factorized: bool) -> CommProfile | None:
+    """The profile whose compute stands for a model: ``method``'s, else the first of the model."""
+    return next((p for p in profiles if p.method == method), None) or next(
+        (p for p in profiles if hook_for(p.method)[0] == factorized), None)
+
+
+def with_compute(profiles: list[CommProfile], figures: dict[str, float] | None) -> Compute:
+    """``profiles`` with each method's compute-side time from ``figures`` (ms, as
+    :func:`pufferfish.bench.config.parse_compute_ms` returns them): a method named there computes
+    that many ms with its encode/decode included; any other is scaled by its model's factor (given
+    ms / measured ms), ``full`` (or ``ddp``) and ``factorized`` (or ``pufferfish``); a factorized
+    method without a factorized figure takes the full-rank factor (``cpu ratio``). No figures:
+    the measured profiles. ``ValueError`` without a measured full-rank method to scale from."""
+    full = _reference(profiles, "ddp", False)
+    low = _reference(profiles, "pufferfish", True)
+    cpu_ratio = (low.compute_time / full.compute_time
+                 if full is not None and low is not None and full.compute_time > 0 else math.nan)
+    if not figures:
+        return Compute(list(profiles), dict.fromkeys((p.method for p in profiles), MEASURED),
+                       cpu_ratio=cpu_ratio)
+    if full is None or full.compute_time <= 0:
+        raise ValueError("--compute-ms needs a measured full-rank method (e.g. ddp) to scale from")
+    full_ms = figures.get("full", figures.get("ddp"))
+    low_ms = figures.get("factorized", figures.get("pufferfish"))
+    scale = (full_ms or 0.0) / 1e3 / full.compute_time
+    low_scale = (low_ms / 1e3 / low.compute_time
+                 if low_ms is not None and low is not None and low.compute_time > 0 else scale)
+    out, sources = [], {}
+    for p in profiles:
+        factorized = hook_for(p.method)[0]
+        if p.method in figures:
+            compute, compress, source = figures[p.method] / 1e3, 0.0, GIVEN
+        else:
+            k = low_scale if factorized else scale
+            compute, compress = p.compute_time * k, p.compress_time * k
+            source = CPU_RATIO if factorized and low_ms is None else MODEL
+        out.append(CommProfile(p.method, compute, compress, p.payload_bytes, p.collectives,
+                               p.kind))
+        sources[p.method] = source
+    return Compute(out, sources, scale, low_scale, cpu_ratio)
 
 
 def format_alpha(alpha: float) -> str:

@@ -13,6 +13,7 @@ from . import accuracy as acc
 from . import projection as proj
 from .accuracy import time_to_accuracy
 from .config import BenchConfig, parse_compute_ms
+from .verdict import verdict
 
 __all__ = ["project", "time_to_accuracy_result", "train_summary"]
 
@@ -45,6 +46,8 @@ def project(records: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
     for r in records:
         by_method.setdefault(r["method"], []).append(r)
     profiles = [_profile(m, rs, records) for m, rs in by_method.items()]
+    figures = parse_compute_ms(cfg.compute_ms) if cfg.compute_ms is not None else None
+    projected = proj.with_compute(profiles, figures)
     for r in records:
         bps = r["link_bps"] or r["bandwidth_bps"]
         r["model_bps"] = bps
@@ -63,12 +66,12 @@ def project(records: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
         pred = proj.step_time(own, r["workers"], bps, alpha)
         r["predicted_step_time"] = pred
         r["prediction_error"] = (pred - r["step_time"]) / r["step_time"]
-    ddp = next((p for p in profiles if p.method == "ddp"), None)
+    ddp = next((p for p in projected.profiles if p.method == "ddp"), None)
     crossovers = {
         p.method: {
             str(w): asdict(proj.crossover(p, ddp, w, cfg.alpha)) for w in proj.DEFAULT_WORKERS
         }
-        for p in profiles
+        for p in projected.profiles
         if ddp is not None and p.method != "ddp"
     }
     alphas = projection_alphas(records, cfg.alpha)
@@ -77,9 +80,16 @@ def project(records: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
         "alphas": alphas,
         "workers": list(proj.DEFAULT_WORKERS),
         "bandwidths_bps": list(proj.DEFAULT_BANDWIDTHS),
-        "profiles": [asdict(p) for p in profiles],
-        "rows": [row for a in alphas for row in proj.project(profiles, alpha=a)],
+        "profiles": [asdict(p) for p in profiles],  # as measured here
+        # each method's compute-side ms per step as projected, and where it came from
+        "compute_figures": figures,
+        "compute_ms": {p.method: 1e3 * (p.compute_time + p.compress_time)
+                       for p in projected.profiles},
+        "compute_sources": projected.sources,
+        "cpu_lowrank_compute_ratio": projected.cpu_ratio,
+        "rows": [row for a in alphas for row in proj.project(projected.profiles, alpha=a)],
         "crossovers": crossovers,  # at cfg.alpha; the rows have each alpha's
+        "verdict": verdict(records),
     }
 
 
@@ -120,13 +130,15 @@ def time_to_accuracy_result(cfg: BenchConfig, rows: list[dict[str, Any]], links:
         "projected": None,
     }
     if cfg.compute_ms is not None:
-        full_ms, factorized_ms = parse_compute_ms(cfg.compute_ms)
+        figures = parse_compute_ms(cfg.compute_ms)
         profiles = [proj.CommProfile(**p) for p in projection["profiles"]]
         alphas = projection.get("alphas") or [cfg.alpha]
-        projected, info = acc.projected_curves(runs, profiles, full_ms, alpha=cfg.alpha,
-                                               factorized_ms=factorized_ms, alphas=alphas)
+        projected, info = acc.projected_curves(runs, profiles, figures, alpha=cfg.alpha,
+                                               alphas=alphas)
         result["projected"] = {
-            "compute_ms": full_ms, "factorized_compute_ms": factorized_ms, **info,
+            "compute_ms": figures.get("full", figures.get("ddp")),
+            "factorized_compute_ms": figures.get("factorized", figures.get("pufferfish")),
+            "compute_figures": figures, **info,
             "alpha": cfg.alpha, "alphas": alphas,
             "workers": list(acc.PROJECTED_WORKERS),
             "bandwidths_bps": list(proj.DEFAULT_BANDWIDTHS),

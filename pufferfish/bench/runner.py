@@ -83,7 +83,7 @@ from .markdown import results_markdown, train_markdown
 from .netns import EmulatedLink, cleanup_stale, netem_available, netns_available
 from .plots import plot_results
 from .probe import ProbeResult, measure_link
-from .progress import TrainingProgress
+from .progress import TrainingProgress, measuring
 from .results import project, time_to_accuracy_result, train_summary
 from .rounds import compute_check, round_plan, summarize
 from .step import HOOK_OPTIONS, hook_for, parallel_for, sync_for
@@ -182,6 +182,7 @@ def _step_argv(cfg: BenchConfig, methods: list[str], out: Path, cache: Path) -> 
         argv += ["--data-dir", cfg.data_dir]
     if cfg.compile:
         argv.append("--compile")
+    argv += ["--amp", cfg.amp]
     return argv
 
 
@@ -214,11 +215,13 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
               "rows": rows, "compute_check": compute_check(rows), "projection": projection,
               "time_to_accuracy": time_to_accuracy_result(cfg, rows, links, projection)}
     projected = (result["time_to_accuracy"] or {}).get("projected")
-    if projected and projected["assumes_cpu_ratio"]:
-        log("note: --compute-ms gave no factorized=MS, so the projected time to accuracy assumes "
-            "the factorized model keeps this CPU's low-rank/full compute ratio "
-            f"({projected['lowrank_compute_ratio']:.2f}); give --compute-ms "
-            "full=MS,factorized=MS to use your GPU's")
+    fallback = [m for m, src in projection["compute_sources"].items() if src == "cpu ratio"]
+    if fallback:
+        log("note: --compute-ms gave no factorized=MS, so the projection"
+            + (" and the projected time to accuracy" if projected else "")
+            + " assume the factorized model keeps this CPU's low-rank/full compute ratio "
+            f"({projection['cpu_lowrank_compute_ratio']:.2f}) for {', '.join(fallback)}; give "
+            "--compute-ms full=MS,factorized=MS to use your GPU's")
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     _write_outputs(cfg, result, log)
     return result
@@ -246,12 +249,15 @@ def _measure(cfg: BenchConfig, log: Log) -> dict[str, Any]:
                           "link_rtt_s": probed.latency_s if probed else None})
             opened[text] = link
         order = round_plan(list(opened), cfg.methods, cfg.rounds)
+        bar = stack.enter_context(measuring(sum(len(plan) for plan in order)))
         for r, plan in enumerate(order):
             log(f"round {r + 1}/{cfg.rounds}: "
                 + "; ".join(f"{text}: {', '.join(ms)}" for text, ms in plan))
             for text, methods in plan:
                 info = next(x for x in links if x["bandwidth"] == text)
+                bar.set_postfix_str(f"round {r + 1}, {text}")
                 got, err = _step_group(cfg, opened[text], methods, Path(tmp))
+                bar.update(1)
                 for rec in got:
                     rec = {"round": r, **info, **rec}
                     records.append(rec)

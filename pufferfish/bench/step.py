@@ -65,6 +65,16 @@ Fashion-MNIST minibatches (language models: KJV word sequences of ``--seq-len`` 
 past id ``--vocab`` - 1 as one id), prepared before timing so data loading is never
 timed. ``galore`` is full-rank DDP with GaLore's optimizer (:mod:`pufferfish.galore`) on the layers
 Pufferfish factorizes; ``--compile`` compiles every method's model (warm-up steps include it).
+
+Device (:func:`pick_device`): with ``--device auto`` each rank runs on a GPU when CUDA is there
+(rank ``r`` on GPU ``r mod count``), with NCCL when every rank has its own GPU and gloo when ranks
+share one (NCCL refuses two ranks on one device); a group with an FSDP2 method runs on the CPU
+(its records say so: ``device``). Every timed step is wrapped in ``torch.cuda.synchronize()``
+(:func:`pufferfish.training.step.timed`), so its time is the GPU's work, not the launches;
+warm-up steps are never timed. ``--amp bf16|fp16`` runs the
+forward under autocast (fp16 with a GradScaler, whose state the compute-only steps restore too).
+On CUDA the hook's ``compress_time`` is host time around its launches (a lower bound); the
+exposed communication (``comm_time``) is still step - compute-only step, both synchronized.
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ import gc
 import inspect
 import itertools
 import json
+import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -97,7 +108,7 @@ from ..distributed.buckets import BucketTuner, bucket_overrides, parse_bucket_mb
 from ..distributed.diloco import DiLoCoState
 from ..distributed.env import cleanup, exit_process
 from ..distributed.hooks import all_hook_options, hook_names, hook_options, register_comm_hook
-from ..training.step import Replica, micro_batch_groups
+from ..training.step import Replica, micro_batch_groups, timed
 from .sharded import measure_sharded
 from .workload import (
     LM_MODELS,
@@ -105,13 +116,12 @@ from .workload import (
     build_model,
     make_optimizer,
     quartiles,
-    timed,
     train_one_step,
 )
 
 __all__ = ["BENCH_METHODS", "DILOCO_METHODS", "FSDP_METHODS", "FSDP_VERSIONS", "HOOK_DEFAULTS",
-           "HOOK_OPTIONS", "LM_MODELS", "PUFFERFISH_RANK_RATIO", "hook_for",
-           "main", "method_options", "parallel_for", "parse_method_map"]
+           "HOOK_OPTIONS", "LM_MODELS", "PUFFERFISH_RANK_RATIO", "amp_for", "hook_for",
+           "main", "method_options", "parallel_for", "parse_method_map", "pick_device"]
 
 # method -> (factorize the model?, comm hook): plain DDP, every registered comm hook, Pufferfish
 # with plain all-reduce and with each hook (the two compose: a smaller model, then fewer bytes
@@ -191,6 +201,33 @@ def method_options(hook: str, args: argparse.Namespace) -> dict[str, Any]:
     return hook_options(hook, args)
 
 
+def pick_device(requested: str, local_rank: int, world: int,
+                cuda_count: int) -> tuple[torch.device, str]:
+    """``(device, backend)`` of one rank: ``auto`` is CUDA when there is a GPU (rank ``r`` on GPU
+    ``r mod cuda_count``), else the CPU; the backend is NCCL when every rank has a GPU of its
+    own, else gloo (ranks sharing a GPU, or the CPU). ``ValueError`` (one line) for ``cuda``
+    without a GPU or a device outside ``auto``, ``cpu``, ``cuda``."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device {requested!r} is invalid: allowed auto, cpu, cuda")
+    if requested == "cuda" and cuda_count < 1:
+        raise ValueError("--device 'cuda' is invalid here: torch sees no CUDA device; allowed "
+                         "auto or cpu")
+    if requested == "cpu" or cuda_count < 1:
+        return torch.device("cpu"), "gloo"
+    device = torch.device("cuda", local_rank % cuda_count)
+    return device, "nccl" if cuda_count >= world else "gloo"
+
+
+def amp_for(amp: str, device: torch.device) -> tuple[Any, Any]:
+    """``(autocast context or None, GradScaler or None)`` of ``--amp`` on ``device``: bf16
+    autocast, or fp16 autocast with a GradScaler; ``none``: full precision."""
+    if amp == "none":
+        return None, None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+    scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
+    return torch.autocast(device.type, dtype=dtype), scaler
+
+
 def _method_list(text: str) -> list[str]:
     methods = [m.strip() for m in text.split(",") if m.strip()]
     for m in methods:
@@ -225,6 +262,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none")
+    ap.add_argument("--device", default="auto", help="auto (CUDA when there), cpu or cuda")
     ap.add_argument("--seq-len", type=int, default=64, help="language models: tokens a sequence")
     ap.add_argument("--vocab", type=int, default=2000, help="language models: vocabulary size")
     ap.add_argument("--bucket-mb", type=parse_bucket_mb, default="torch")
@@ -232,9 +271,11 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _steps_batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list[Any]:
-    """The micro-batches of ``n`` steps, ``--grad-accum`` per step: one list per step."""
-    micro = _batches(args, rank, world, n * args.grad_accum)
+def _steps_batches(args: argparse.Namespace, rank: int, world: int, n: int,
+                   device: torch.device) -> list[Any]:
+    """The micro-batches of ``n`` steps, ``--grad-accum`` per step: one list per step, on
+    ``device`` before any step is timed."""
+    micro = [tuple(t.to(device) for t in b) for b in _batches(args, rank, world, n * args.grad_accum)]
     return list(micro_batch_groups(micro, args.grad_accum))
 
 
@@ -274,24 +315,29 @@ def _token_batches(args: argparse.Namespace, rank: int, world: int, n: int) -> l
     return out
 
 
-def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> dict[str, Any]:
+def measure(args: argparse.Namespace, method: str, minibatches: list[Any],
+            device: torch.device | None = None) -> dict[str, Any]:
     """Run the protocol of the module docstring for ``method`` on this rank, on
     ``minibatches`` (warm-up + compute-only + full steps of them, each a step's
-    ``--grad-accum`` micro-batches); return its measurements."""
+    ``--grad-accum`` micro-batches, already on ``device``); return its measurements."""
 
     rank = dist.get_rank()
+    device = device or torch.device("cpu")
     factorized, hook = hook_for(method)
     if method in DILOCO_METHODS:
-        return _measure_diloco(args, method, minibatches)
+        return _measure_diloco(args, method, minibatches, device)
     if method in FSDP_METHODS:
         return measure_sharded(args, method, factorized, minibatches)
     model, full_params = build_model(args, factorized)
+    model.to(device)
     tuner = BucketTuner(args.bucket_mb)
     cap = tuner.start(model, method, steps_per_epoch=sys.maxsize)
-    ddp = DistributedDataParallel(model, **_NO_BUFFER_SYNC, **bucket_overrides(cap))
+    ddp = DistributedDataParallel(model, **_NO_BUFFER_SYNC, **bucket_overrides(cap),
+                                  device_ids=[device.index] if device.type == "cuda" else None)
     state = register_comm_hook(ddp, hook, **method_options(hook, args))
     opt = make_optimizer(args, method, model)
-    replica = Replica(model, ddp, opt, hook_state=state)
+    autocast, scaler = amp_for(args.amp, device)
+    replica = Replica(model, ddp, opt, scaler=scaler, hook_state=state, autocast=autocast)
     trial = itertools.cycle(minibatches)
     while tuner.trying:  # auto: this method's own buckets, on extra steps
         with tuner.step(replica):
@@ -330,6 +376,8 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any]) -> di
         "hook": hook,
         "bucket_mib": chosen,
         "bucket_trial_ms": tuner.decisions[-1].get("median_ms"),
+        "device": str(device),
+        "amp": args.amp,
     }
 
 
@@ -347,11 +395,14 @@ def _interleaved_steps(args: argparse.Namespace, replica: Replica, state: Any, b
             # The same step with DDP's gradient synchronization switched off; its local-only
             # update is undone so that the replicas stay identical.
             saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+            scale = replica.scaler.state_dict() if replica.scaler is not None else None
             batch = next(batches)
             with ddp.no_sync():
                 compute.append(timed(lambda b=batch: train_one_step(replica, b)))
             model.load_state_dict(saved[0])
             opt.load_state_dict(saved[1])
+            if scale is not None:
+                replica.scaler.load_state_dict(scale)
         if i < args.steps:
             # Ranks start each full step together, as the previous step's all-reduce would
             # have aligned them in training (a compute-only step does not).
@@ -379,14 +430,16 @@ def _torch_buckets_steps(replica: Replica, tuner: BucketTuner, batches: Any,
     return out
 
 
-def _measure_diloco(args: argparse.Namespace, method: str,
-                    minibatches: list[Any]) -> dict[str, Any]:
+def _measure_diloco(args: argparse.Namespace, method: str, minibatches: list[Any],
+                    device: torch.device) -> dict[str, Any]:
     """:func:`measure` for a DiLoCo method: local steps, and outer steps over ``--inner-steps``."""
     factorized, hook = hook_for(method)
     model, full_params = build_model(args, factorized)
+    model.to(device)
     state = DiLoCoState(args.inner_steps).bind(model)
     opt = make_optimizer(args, method, model)
-    replica = Replica(model, model, opt)
+    autocast, scaler = amp_for(args.amp, device)
+    replica = Replica(model, model, opt, scaler=scaler, autocast=autocast)
     batches = iter(minibatches)
     for _ in range(args.warmup):
         train_one_step(replica, next(batches))
@@ -418,6 +471,7 @@ def _measure_diloco(args: argparse.Namespace, method: str,
         "inner_steps": h, "params": sum(p.numel() for p in model.parameters()),
         "params_full": full_params, "factorized": factorized, "hook": hook,
         "bucket_mib": None, "bucket_trial_ms": None,  # no DDP, so no buckets (as FSDP2's)
+        "device": str(device), "amp": args.amp,
     }
 
 
@@ -457,6 +511,7 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             )
         },
         **{k: r0[k] for k in SHARDED_COUNTS if k in r0},  # FSDP2 methods only
+        "device": r0.get("device", "cpu"), "amp": r0.get("amp", "none"),
         **({"inner_steps": r0["inner_steps"],  # DiLoCo methods only: the slowest outer step
             "outer_step_time": max(r["outer_step_time"] for r in per_rank)}
            if "inner_steps" in r0 else {}),
@@ -482,19 +537,38 @@ def _record(args: argparse.Namespace, method: str, world: int,
     }
 
 
+def _device(args: argparse.Namespace) -> tuple[torch.device, str]:
+    """This rank's device and the group's backend (:func:`pick_device`); FSDP2 methods are timed
+    on the CPU. With NCCL over an emulated link (a master address other than loopback), NCCL's
+    shared-memory and peer-to-peer paths are switched off, so that its traffic crosses the link."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    cpu_only = any(m in FSDP_METHODS for m in args.methods)
+    device, backend = pick_device("cpu" if cpu_only else args.device, local, world,
+                                  torch.cuda.device_count())
+    if backend == "nccl" and os.environ.get("MASTER_ADDR", "127.0.0.1") not in (
+            "127.0.0.1", "localhost"):
+        os.environ.setdefault("NCCL_P2P_DISABLE", "1")
+        os.environ.setdefault("NCCL_SHM_DISABLE", "1")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device, backend
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    device, backend = _device(args)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
     finished = False
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         minibatches = _steps_batches(args, rank, world,
-                                     args.warmup + args.compute_steps + args.steps)
+                                     args.warmup + args.compute_steps + args.steps, device)
         records: list[dict[str, Any]] = []
         for method in args.methods:
-            mine = measure(args, method, minibatches)
+            mine = measure(args, method, minibatches, device)
             gc.collect()  # the previous method's model, DDP reducer and hook state go now
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, mine)

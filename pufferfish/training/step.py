@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..distributed import fsdp
 
-__all__ = ["EpochMeter", "Replica", "micro_batch_groups", "train_step"]
+__all__ = ["EpochMeter", "Replica", "micro_batch_groups", "timed", "train_step"]
 
 LossFn = Callable[[], torch.Tensor]
 
@@ -41,6 +41,7 @@ class Replica:
     optimizer: torch.optim.Optimizer
     scaler: Any = None  # torch.amp.GradScaler under AMP on CUDA
     hook_state: Any = None  # the comm hook's state (memory, byte counters), None without DDP
+    autocast: Any = None  # the forward's autocast when train_step is given none (bench --amp)
 
 
 def train_step(replica: Replica, compute_loss: LossFn | Sequence[LossFn], *,
@@ -56,6 +57,7 @@ def train_step(replica: Replica, compute_loss: LossFn | Sequence[LossFn], *,
     pass changed (BatchNorm statistics, a task's carried state), the scaler lowers its scale.
     """
     optimizer, scaler = replica.optimizer, replica.scaler
+    autocast = autocast if autocast is not None else replica.autocast
     optimizer.zero_grad(set_to_none=True)
     losses = [compute_loss] if callable(compute_loss) else list(compute_loss)
     loss = _backward(replica, losses, autocast)
@@ -102,6 +104,20 @@ def _sync_deferred(wrapped: nn.Module) -> contextlib.AbstractContextManager:
     if fsdp.is_sharded(wrapped):
         return fsdp.gradient_sync_off(wrapped)
     return contextlib.nullcontext()
+
+
+def timed(fn: Callable[[], Any], device: torch.device | None = None) -> float:
+    """Seconds ``fn()`` took, its GPU work included: on CUDA (``device``'s type, or by default
+    whenever CUDA was initialized) the device is synchronized before and after, since kernels
+    run asynchronously and the host's clock would otherwise see only their launches."""
+    cuda = (device.type == "cuda") if device is not None else torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def micro_batch_groups(loader: Iterable[Any], n: int) -> Iterator[list[Any]]:
