@@ -19,6 +19,7 @@ from ..distributed.hooks import with_option_fields
 from . import accuracy as acc
 from . import projection as proj
 from .bandwidth import parse_link
+from .launched import TORCHRUN_LINK, launched_world, torchrun_links, under_torchrun
 from .step import (
     BENCH_METHODS,
     FSDP_METHODS,
@@ -29,6 +30,7 @@ from .step import (
     hook_for,
     parse_method_map,
 )
+from .usermodel import factorization_report, is_user_model, load_workload
 
 __all__ = [
     "COMPUTE_MS_FORM",
@@ -88,6 +90,7 @@ class BenchConfig:
     parallel: str = "ddp"  # fsdp: --methods ddp,pufferfish measured as fsdp,pufferfish+fsdp
     bandwidths: list[str] = field(default_factory=lambda: ["loopback"])
     workers: int = 2
+    torchrun: bool = False  # measured inside torchrun's processes, over their link (launched.py)
     steps: int = 20
     warmup: int = 3
     compute_steps: int = 5
@@ -128,26 +131,23 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Check every value before any process starts (``ValueError``: CLI exit 2)."""
-        if self.model not in (*IMAGE_MODELS, *LM_MODELS):
+        if is_user_model(self.model):
+            self._validate_user_model()
+        elif self.model not in (*IMAGE_MODELS, *LM_MODELS):
             raise ValueError(
                 f"model {self.model!r} is invalid for the benchmark: allowed "
-                f"{', '.join((*IMAGE_MODELS, *LM_MODELS))}"
+                f"{', '.join((*IMAGE_MODELS, *LM_MODELS))}, or your own: PATH.py:FUNC, "
+                "package.module:FUNC, hf:CONFIG.json"
             )
         if self.model in LM_MODELS and (self.train or self.accuracy_runs):
             raise ValueError(f"model {self.model!r}: --train and --accuracy-runs are for the "
                              f"image models ({', '.join(IMAGE_MODELS)}); step times only")
         self._validate_methods()
         self._validate_fsdp()
-        if not self.bandwidths:
-            raise ValueError("--bandwidth is empty: allowed e.g. loopback,1gbit,100mbit")
-        rates = [parse_link(b)[0] for b in self.bandwidths]
-        if self.workers < 2:
-            raise ValueError(f"--workers {self.workers} is invalid: allowed >= 2 (DDP)")
-        if self.workers != 2 and any(r is not None for r in rates):
-            raise ValueError(
-                f"--workers {self.workers}: an emulated link connects exactly 2 workers; "
-                "use --workers 2, or --bandwidth loopback for more workers"
-            )
+        if self.torchrun:
+            self._validate_torchrun()
+        else:
+            self._validate_links()
         for option in HOOK_OPTIONS:
             option.check(getattr(self, option.key))
         for name in ("steps", "compute_steps", "batch_size", "epochs", "rounds", "inner_steps",
@@ -206,6 +206,51 @@ class BenchConfig:
                 f"Fashion-MNIST directory {str(data)!r} does not exist: install the Debian "
                 "package dataset-fashion-mnist or pass --data-dir"
             )
+
+    def _validate_links(self) -> None:
+        """``--bandwidth`` and ``--workers``: the links this bench emulates and its groups."""
+        if not self.bandwidths:
+            raise ValueError("--bandwidth is empty: allowed e.g. loopback,1gbit,100mbit")
+        rates = [parse_link(b)[0] for b in self.bandwidths]
+        if self.workers < 2:
+            raise ValueError(f"--workers {self.workers} is invalid: allowed >= 2 (DDP)")
+        if self.workers != 2 and any(r is not None for r in rates):
+            raise ValueError(
+                f"--workers {self.workers}: an emulated link connects exactly 2 workers; "
+                "use --workers 2, or --bandwidth loopback for more workers"
+            )
+
+    def _validate_torchrun(self) -> None:
+        """Under torchrun: its processes over their own link, step times only."""
+        if self.workers < 2:
+            raise ValueError(f"torchrun started {self.workers} process(es): allowed >= 2 "
+                             "(--nnodes x --nproc-per-node), DDP needs peers")
+        if self.bandwidths != [TORCHRUN_LINK]:
+            raise ValueError(f"--bandwidth {','.join(self.bandwidths)!r} is invalid under "
+                             "torchrun, which measures the link its processes have: allowed "
+                             "none (emulated links are for a bench outside torchrun)")
+        for flag, given in (("--train", self.train), ("--from-results", self.from_results)):
+            if given:
+                raise ValueError(f"{flag} is invalid under torchrun: allowed outside it "
+                                 "(under torchrun the bench measures step times)")
+
+    def _validate_user_model(self) -> None:
+        """``--model PATH.py:FUNC`` (or ``module:FUNC``, ``hf:CONFIG.json``): it loads, keeps the
+        Workload contract, and Pufferfish finds layers to factorize if a method needs them; the
+        methods and modes that need one of our models are refused."""
+        if self.train or self.accuracy_runs:
+            raise ValueError(f"--model {self.model!r}: --train and --accuracy-runs train our "
+                             f"models ({', '.join(IMAGE_MODELS)}); your model: step times only")
+        for m in self.methods:
+            hook_for(m)
+            if m == "galore" or m in FSDP_METHODS:
+                raise ValueError(f"method {m!r} is invalid with your model {self.model!r}: "
+                                 "allowed the DDP and DiLoCo methods")
+        if self.from_results:
+            return  # measured before: nothing is built
+        load_workload(self.model, self.seq_len)
+        if any(hook_for(m)[0] for m in self.methods):
+            factorization_report(self.model, self.seq_len)
 
     def _validate_grad_accum(self) -> None:
         """``--grad-accum``: step timing only; the time-to-accuracy runs count steps of one
@@ -314,7 +359,10 @@ class BenchConfig:
         return epochs
 
     def worker_threads(self) -> int:
-        return self.threads or max(1, (os.cpu_count() or 1) // self.workers)
+        """``--threads``, or this machine's cores shared by its processes (under torchrun:
+        ``LOCAL_WORLD_SIZE`` of them)."""
+        here = launched_world()[1] if self.torchrun else self.workers
+        return self.threads or max(1, (os.cpu_count() or 1) // here)
 
 
 def _default_data_dir() -> Path:
@@ -336,7 +384,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def _model_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
     """What is measured: the model and the methods."""
-    ap.add_argument("--model", default=d.model, help=f"{', '.join((*IMAGE_MODELS, *LM_MODELS))}")
+    ap.add_argument("--model", default=d.model,
+                    help=f"{', '.join((*IMAGE_MODELS, *LM_MODELS))}, or yours: PATH.py:FUNC or "
+                         "package.module:FUNC (FUNC() returns a pufferfish.bench.Workload), "
+                         "hf:CONFIG.json (a Hugging Face causal LM from its config)")
     ap.add_argument("--seq-len", type=int, default=d.seq_len,
                     help="language models: tokens per sequence of a batch")
     ap.add_argument("--vocab-size", type=int, default=d.vocab_size,
@@ -354,13 +405,14 @@ def _model_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
 
 def _measurement_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
     """How the steps are measured: links, workers, steps, buckets, the methods' options."""
-    ap.add_argument("--bandwidth", default="loopback",
+    ap.add_argument("--bandwidth", default=None,
                     help="comma-separated: loopback and/or emulated rates such as 1gbit,100mbit, "
                          "each with an optional one-way latency, e.g. 100mbit,100mbit@20ms "
                          "(emulation needs root + iproute2, a latency netem, and exactly 2 "
-                         "workers)")
-    ap.add_argument("--workers", type=int, default=d.workers,
-                    help="processes per group; more than 2 only on loopback")
+                         "workers; not under torchrun, which measures its own link)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help=f"processes per group (default {d.workers}); more than 2 only on "
+                         "loopback; not under torchrun, whose processes are the workers")
     ap.add_argument("--steps", type=int, default=d.steps,
                     help="timed full steps (DDP, or FSDP2 for fsdp methods)")
     ap.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first")
@@ -449,11 +501,12 @@ def _train_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """A validated :class:`BenchConfig` from parsed ``add_arguments`` options."""
     measured = _measured_config(args.from_results) if args.from_results else {}
+    bandwidths, workers = _links_arg(args)
     cfg = BenchConfig(
         model=args.model, width=args.width, parallel=args.parallel,
         methods=parallel_methods(_methods_arg(args), args.parallel),
-        bandwidths=[b.strip() for b in args.bandwidth.split(",") if b.strip()],
-        workers=args.workers, steps=args.steps, warmup=args.warmup,
+        bandwidths=bandwidths, workers=workers, torchrun=under_torchrun(),
+        steps=args.steps, warmup=args.warmup,
         compute_steps=args.compute_steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
         seq_len=args.seq_len, vocab_size=args.vocab_size,
         **{option.key: getattr(args, option.key) for option in HOOK_OPTIONS},
@@ -475,6 +528,15 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         setattr(cfg, key, value)
     cfg.validate()
     return cfg
+
+
+def _links_arg(args: argparse.Namespace) -> tuple[list[str], int]:
+    """``--bandwidth`` and ``--workers``, or under torchrun its link and processes."""
+    if under_torchrun():
+        return torchrun_links(args.bandwidth, args.workers)
+    text = "loopback" if args.bandwidth is None else args.bandwidth
+    workers = BenchConfig.workers if args.workers is None else args.workers
+    return [b.strip() for b in text.split(",") if b.strip()], workers
 
 
 def _methods_arg(args: argparse.Namespace) -> list[str]:

@@ -18,6 +18,7 @@ from .bandwidth import format_bps
 from .config import BenchConfig, results_path
 from .rounds import spread
 from .step import LM_MODELS
+from .usermodel import is_user_model
 
 __all__ = ["results_markdown", "train_markdown"]
 
@@ -33,6 +34,8 @@ def _ms_spread(row: dict[str, Any], key: str) -> str:
 
 
 def _data(cfg: BenchConfig) -> str:
+    if is_user_model(cfg.model):
+        return "the workload's make_batch"
     if cfg.model not in LM_MODELS:
         return "Fashion-MNIST"
     return f"KJV sequences of {cfg.seq_len} words (vocabulary {cfg.vocab_size})"
@@ -52,7 +55,9 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
     source = (f"Step times reused from `{results_path(cfg.from_results)}`. "
               if cfg.from_results else "")
     lines = [
-        f"# pufferfish bench: {cfg.model} x{cfg.width}, {cfg.workers} workers",
+        f"# pufferfish bench: {cfg.model}"
+        f"{'' if is_user_model(cfg.model) else f' x{cfg.width}'}, {cfg.workers} workers"
+        f"{' (torchrun)' if cfg.torchrun else ''}",
         "",
         f"{source}Per worker: batch {cfg.batch_size} of {_data(cfg)}{_accumulation(cfg)}"
         f"{', compiled (torch.compile)' if cfg.compile else ''}, "
