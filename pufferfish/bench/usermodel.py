@@ -82,7 +82,7 @@ def load_workload(ref: str, seq_len: int = 64) -> Workload:
     if factory is None:
         raise ValueError(f"--model {ref!r}: {where} has no {name!r}")
     if not callable(factory):
-        raise ValueError(f"--model {ref!r}: {name} is a {type(factory).__name__}, not a function")
+        raise ValueError(f"--model {ref!r}: {name} is not a function ({type(factory).__name__})")
     try:
         workload = factory()
     except Exception as e:  # the user's code: any error is theirs, said in one line
