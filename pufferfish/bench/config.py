@@ -409,10 +409,11 @@ def _measurement_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
                     help="comma-separated: loopback and/or emulated rates such as 1gbit,100mbit, "
                          "each with an optional one-way latency, e.g. 100mbit,100mbit@20ms "
                          "(emulation needs root + iproute2, a latency netem, and exactly 2 "
-                         "workers; not under torchrun, which measures its own link)")
+                         "workers; not under torchrun, which measures its own link) "
+                         "(default: loopback)")
     ap.add_argument("--workers", type=int, default=None,
-                    help=f"processes per group (default {d.workers}); more than 2 only on "
-                         "loopback; not under torchrun, whose processes are the workers")
+                    help="processes per group; more than 2 only on loopback; not under "
+                         f"torchrun, whose processes are the workers (default: {d.workers})")
     ap.add_argument("--steps", type=int, default=d.steps,
                     help="timed full steps (DDP, or FSDP2 for fsdp methods)")
     ap.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first")

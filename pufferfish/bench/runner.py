@@ -206,21 +206,7 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
         claim_outputs(cfg.out, "bench", BENCH_FILES, cfg.overwrite)
     else:
         log = _quiet
-    if is_user_model(cfg.model) and any(hook_for(m)[0] for m in cfg.methods):
-        log(f"Pufferfish factorizes {cfg.model}:\n"
-            f"{factorization_report(cfg.model, cfg.seq_len)}")
-    if cfg.from_results:
-        saved = load_results(cfg.from_results)
-        log(f"step times from {results_path(cfg.from_results)} (measured, not re-run)")
-        measured = {k: saved[k] for k in ("links", "order", "rounds", "skipped", "failures")}
-    elif cfg.torchrun:
-        with tempfile.TemporaryDirectory(prefix="pf-bench-") as tmp:
-            flags = _step_argv(cfg, cfg.methods, Path(tmp) / "unused.json", Path(tmp) / "cache")
-            measured = measure_in_group(cfg.methods, cfg.rounds, flags[3:],
-                                        PROBE_BYTES if cfg.probe else 0, log,
-                                        lambda text, r, rec: log(_record_line(text, r, rec)))
-    else:
-        measured = _measure(cfg, log)
+    measured = _measured(cfg, log)
     if not writer:
         return {**measured, "failures": []}
     records = measured["rounds"]
@@ -239,6 +225,27 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     _write_outputs(cfg, result, log)
     return result
+
+
+def _measured(cfg: BenchConfig, log: Log) -> dict[str, Any]:
+    """The step times: an earlier run's (``--from-results``), measured in torchrun's processes
+    (:mod:`.launched`), or by the bench's own worker groups; the user's model's factorization
+    said first."""
+    if is_user_model(cfg.model) and not cfg.from_results and any(hook_for(m)[0]
+                                                                 for m in cfg.methods):
+        log(f"Pufferfish factorizes {cfg.model}:\n"
+            f"{factorization_report(cfg.model, cfg.seq_len)}")
+    if cfg.from_results:
+        saved = load_results(cfg.from_results)
+        log(f"step times from {results_path(cfg.from_results)} (measured, not re-run)")
+        return {k: saved[k] for k in ("links", "order", "rounds", "skipped", "failures")}
+    if not cfg.torchrun:
+        return _measure(cfg, log)
+    with tempfile.TemporaryDirectory(prefix="pf-bench-") as tmp:
+        flags = _step_argv(cfg, cfg.methods, Path(tmp) / "unused.json", Path(tmp) / "cache")
+        return measure_in_group(cfg.methods, cfg.rounds, flags[3:],
+                                PROBE_BYTES if cfg.probe else 0, log,
+                                lambda text, r, rec: log(_record_line(text, r, rec)))
 
 
 def _measure(cfg: BenchConfig, log: Log) -> dict[str, Any]:
