@@ -75,7 +75,8 @@ def make_optimizer(args: argparse.Namespace, method: str,
     :func:`~pufferfish.training.optim.build_optimizer` (AdamW: decay / no-decay groups). ``galore``
     (language models only: ``BenchConfig`` refuses it with SGD's image models) steps with GaLore's
     own AdamW, the same LR, betas, epsilon and weight decay, projected at the Pufferfish ranks."""
-    name = "llama" if is_user_model(args.model) else args.model  # the recipe's checks only
+    # The user's model: a name TrainConfig knows; only its optimizer settings are read here.
+    name = "llama" if is_user_model(args.model) else args.model
     cfg = TrainConfig(model=name, optimizer=optimizer_name(args.model, args.seq_len), lr=args.lr,
                       momentum=0.9, weight_decay=1e-4, rank_ratio=str(PUFFERFISH_RANK_RATIO),
                       mode="galore" if method == "galore" else "full",
