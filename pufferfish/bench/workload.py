@@ -76,8 +76,10 @@ def make_optimizer(args: argparse.Namespace, method: str,
     (language models only: ``BenchConfig`` refuses it with SGD's image models) steps with GaLore's
     own AdamW, the same LR, betas, epsilon and weight decay, projected at the Pufferfish ranks."""
     # The user's model: a name TrainConfig knows; only its optimizer settings are read here.
-    name = "llama" if is_user_model(args.model) else args.model
-    cfg = TrainConfig(model=name, optimizer=optimizer_name(args.model, args.seq_len), lr=args.lr,
+    user = is_user_model(args.model)
+    name = "llama" if user else args.model
+    optimizer = optimizer_name(args.model, args.seq_len) if user else optimizer_name(args.model)
+    cfg = TrainConfig(model=name, optimizer=optimizer, lr=args.lr,
                       momentum=0.9, weight_decay=1e-4, rank_ratio=str(PUFFERFISH_RANK_RATIO),
                       mode="galore" if method == "galore" else "full",
                       data="kjv" if name in LM_MODELS else "fashion-mnist")
