@@ -143,7 +143,7 @@ def test_hf_without_transformers_says_so(tmp_path: Path, monkeypatch: pytest.Mon
     (["--bandwidth", "loopback"], "--bandwidth loopback is invalid under torchrun"),
     (["--workers", "4"], "--workers 4 is invalid under torchrun"),
     (["--train"], "--train is invalid under torchrun"),
-    (["--from-results", "x"], "--from-results"),
+    (["--from-results", "x"], "--from-results x is invalid under torchrun"),
     (["--link", "1gbit"], "unrecognized arguments: --link 1gbit"),
     (["--nproc", "2"], "unrecognized arguments: --nproc 2"),
 ])
@@ -222,6 +222,11 @@ def test_own_model_under_torchrun(workloads: Path, tmp_path: Path) -> None:
     assert {r["round"] for r in result["rounds"]} == {0, 1}
     assert result["rows"][1]["params"] == factorization_report(f"{workloads}:make").params_after
     assert (out / "results.md").exists() and (out / "step_time.png").exists()
+    # reused outside torchrun: the same rows, the link and its probe as measured
+    assert main(["bench", "--from-results", str(out), "--out", str(tmp_path / "again")]) == 0
+    again = _results(tmp_path / "again")
+    assert again["links"] == result["links"] and again["config"]["torchrun"]
+    assert [r["step_time"] for r in again["rows"]] == [r["step_time"] for r in result["rows"]]
 
 
 def test_hf_config_under_torchrun(tmp_path: Path) -> None:

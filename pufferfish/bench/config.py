@@ -229,10 +229,9 @@ class BenchConfig:
             raise ValueError(f"--bandwidth {','.join(self.bandwidths)!r} is invalid under "
                              "torchrun, which measures the link its processes have: allowed "
                              "none (emulated links are for a bench outside torchrun)")
-        for flag, given in (("--train", self.train), ("--from-results", self.from_results)):
-            if given:
-                raise ValueError(f"{flag} is invalid under torchrun: allowed outside it "
-                                 "(under torchrun the bench measures step times)")
+        if self.train:
+            raise ValueError("--train is invalid under torchrun: allowed outside it (under "
+                             "torchrun the bench measures step times)")
 
     def _validate_user_model(self) -> None:
         """``--model PATH.py:FUNC`` (or ``module:FUNC``, ``hf:CONFIG.json``): it loads, keeps the
@@ -501,8 +500,8 @@ def _train_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """A validated :class:`BenchConfig` from parsed ``add_arguments`` options."""
+    bandwidths, workers = _links_arg(args)  # first: under torchrun, --from-results is refused
     measured = _measured_config(args.from_results) if args.from_results else {}
-    bandwidths, workers = _links_arg(args)
     cfg = BenchConfig(
         model=args.model, width=args.width, parallel=args.parallel,
         methods=parallel_methods(_methods_arg(args), args.parallel),
@@ -534,7 +533,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def _links_arg(args: argparse.Namespace) -> tuple[list[str], int]:
     """``--bandwidth`` and ``--workers``, or under torchrun its link and processes."""
     if under_torchrun():
-        return torchrun_links(args.bandwidth, args.workers)
+        return torchrun_links(args.bandwidth, args.workers, args.from_results)
     text = "loopback" if args.bandwidth is None else args.bandwidth
     workers = BenchConfig.workers if args.workers is None else args.workers
     return [b.strip() for b in text.split(",") if b.strip()], workers
@@ -568,7 +567,7 @@ def parallel_methods(methods: list[str], parallel: str) -> list[str]:
 _MEASURED = ("model", "width", "methods", "parallel", "bandwidths", "workers", "steps", "warmup",
              "compute_steps", "batch_size", "grad_accum", *(option.key for option in HOOK_OPTIONS), "threads",
              "rounds", "channels_last", "compile", "bucket_mb", "inner_steps", "seq_len",
-             "vocab_size")
+             "vocab_size", "torchrun")
 
 
 def results_path(path: str) -> Path:

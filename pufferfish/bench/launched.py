@@ -51,12 +51,14 @@ def launched_world() -> tuple[int, int]:
     return world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
 
 
-def torchrun_links(bandwidth: str | None, workers: int | None) -> tuple[list[str], int]:
-    """The bench's links and workers under torchrun: its link, its processes. ``--bandwidth`` or
-    ``--workers`` given there is refused (``ValueError``, one line)."""
+def torchrun_links(bandwidth: str | None, workers: int | None,
+                   from_results: str = "") -> tuple[list[str], int]:
+    """The bench's links and workers under torchrun: its link, its processes. ``--bandwidth``,
+    ``--workers`` or ``--from-results`` given there is refused (``ValueError``, one line)."""
     for flag, value, why in (
             ("--bandwidth", bandwidth, "the link is the one its processes have"),
-            ("--workers", workers, "its processes are the workers: --nnodes x --nproc-per-node")):
+            ("--workers", workers, "its processes are the workers: --nnodes x --nproc-per-node"),
+            ("--from-results", from_results or None, "it measures; reuse results outside it")):
         if value is not None:
             raise ValueError(f"{flag} {value} is invalid under torchrun ({why}): allowed "
                              "without it, or outside torchrun")

@@ -66,7 +66,9 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
         f"interleaved round(s). torch {torch.__version__}, {os.cpu_count()} CPUs, "
         f"{platform.platform()}. PowerSGD rank {cfg.powersgd_rank} (compressing from step "
         f"{cfg.powersgd_start_iter}), top-k ratio {cfg.topk_ratio}, signum beta "
-        f"{cfg.signum_beta}; pufferfish = the paper preset at rank ratio 0.25.",
+        f"{cfg.signum_beta}; pufferfish = "
+        + ("the workload's keep / preset / rank_ratio (the factorization report is in the log)."
+           if is_user_model(cfg.model) else "the paper preset at rank ratio 0.25."),
         "",
         "Each round runs one worker group per link that measures every method in turn; the "
         "order of links and of methods rotates from round to round (below). Per round: step = "
