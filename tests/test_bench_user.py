@@ -61,6 +61,18 @@ WORKLOADS = textwrap.dedent('''
         return w
 
 
+    def bad_batch():
+        w = make()
+        w.make_batch = lambda b: (torch.randn(b, 3), torch.randint(10, (b,)))  # not 64 features
+        return w
+
+
+    def vector_loss():
+        w = make()
+        w.loss = lambda o, t: F.cross_entropy(o, t, reduction="none")
+        return w
+
+
     NOT_CALLABLE = 3
 ''')
 
@@ -99,6 +111,8 @@ def _bench_error(args: list[str], out: Path, capsys: pytest.CaptureFixture[str])
                               "pufferfish.bench.Workload"),
     ("{path}:nothing", "Pufferfish has nothing to factorize in Sequential"),
     ("{path}:bad_keep", "matches no module"),
+    ("{path}:bad_batch", "a step on make_batch(2) raised RuntimeError: mat1 and mat2"),
+    ("{path}:vector_loss", "loss(outputs, targets) returned Tensor (2,), allowed a scalar"),
     ("{path}:NOT_CALLABLE", "NOT_CALLABLE is not a function (int)"),
     ("{path}:", "is invalid: allowed PATH.py:FUNC, package.module:FUNC or hf:CONFIG.json"),
     ("no_such_package.models:make", "cannot import 'no_such_package.models'"),

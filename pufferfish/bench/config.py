@@ -30,7 +30,7 @@ from .step import (
     hook_for,
     parse_method_map,
 )
-from .usermodel import factorization_report, is_user_model, load_workload
+from .usermodel import check_workload, is_user_model
 
 __all__ = [
     "COMPUTE_MS_FORM",
@@ -247,9 +247,7 @@ class BenchConfig:
                                  "allowed the DDP and DiLoCo methods")
         if self.from_results:
             return  # measured before: nothing is built
-        load_workload(self.model, self.seq_len)
-        if any(hook_for(m)[0] for m in self.methods):
-            factorization_report(self.model, self.seq_len)
+        check_workload(self.model, self.seq_len, any(hook_for(m)[0] for m in self.methods))
 
     def _validate_grad_accum(self) -> None:
         """``--grad-accum``: step timing only; the time-to-accuracy runs count steps of one

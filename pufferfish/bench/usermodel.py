@@ -29,8 +29,8 @@ from ..lowrank import factorize
 from ..lowrank.presets import presets_of
 from ..lowrank.report import FactorizationReport
 
-__all__ = ["LOSS_ATTR", "Workload", "build_user_model", "call_model", "factorization_report",
-           "is_user_model", "load_workload", "user_batches"]
+__all__ = ["LOSS_ATTR", "Workload", "build_user_model", "call_model", "check_workload",
+           "factorization_report", "is_user_model", "load_workload", "user_batches"]
 
 LOSS_ATTR = "_pufferfish_bench_loss"  # the workload's loss, carried by its model (and copies)
 _HF = "hf:"
@@ -164,6 +164,26 @@ def _hf_workload(ref: str, config_path: str, seq_len: int) -> Workload:
 
     preset = "paper" if "paper" in presets_of(model) else None
     return Workload(model=model, make_batch=make_batch, loss=loss, preset=preset)
+
+
+def check_workload(ref: str, seq_len: int, factorized: bool) -> None:
+    """Before any process starts: ``ref`` loads, one step of batch 2 (``make_batch``, the model,
+    ``loss``) gives a scalar, and, if a method is ``factorized``, Pufferfish finds layers to
+    factorize. ``ValueError`` in one line naming what failed."""
+    workload = load_workload(ref, seq_len)
+    model = copy.deepcopy(workload.model)
+    try:
+        inputs, targets = workload.make_batch(2)
+        value = workload.loss(call_model(model, inputs), targets)
+    except Exception as e:  # the user's code: said in one line
+        raise ValueError(f"--model {ref!r}: a step on make_batch(2) raised {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise ValueError(f"--model {ref!r}: loss(outputs, targets) returned "
+                         f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))}, "
+                         "allowed a scalar tensor")
+    if factorized:
+        factorization_report(ref, seq_len)
 
 
 def build_user_model(ref: str, seq_len: int, factorized: bool) -> tuple[nn.Module, int]:
