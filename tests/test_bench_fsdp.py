@@ -101,7 +101,7 @@ def test_projection_of_fsdp_sends_the_unsharded_bytes_p_minus_1_over_p() -> None
 
 
 def test_parallel_fsdp_maps_ddp_and_pufferfish(tmp_path: Path) -> None:
-    from pufferfish.bench.config import add_arguments, config_from_args
+    from pufferfish.bench.flags import add_arguments, config_from_args
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)

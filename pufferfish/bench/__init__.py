@@ -1,0 +1,5 @@
+"""``pufferfish bench``; :class:`Workload` is what ``--model PATH.py:FUNC`` returns."""
+
+from .usermodel import Workload
+
+__all__ = ["Workload"]

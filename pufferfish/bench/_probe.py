@@ -33,8 +33,16 @@ def main() -> int:
     torch.set_num_threads(1)  # the machine is shared; summing is not the bottleneck
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    print(json.dumps(measure(args.nbytes, args.iters, args.small_iters)), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def measure(nbytes: int, iters: int = 1, small_iters: int = 10) -> dict:
+    """This rank's report of the module docstring's probe, in the process group already set up
+    (also the in-process probe of ``pufferfish bench`` under torchrun: bench/launched.py)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    numel = max(1, args.nbytes // 4)
+    numel = max(1, nbytes // 4)
     # Warm-up: establishes all gloo pair connections so the timed part is pure transfer.
     dist.all_reduce(torch.ones(1024))
     dist.barrier()
@@ -42,14 +50,14 @@ def main() -> int:
     correct = True
     expected = world * (world + 1) / 2
     elapsed = 0.0
-    for _ in range(args.iters):
+    for _ in range(iters):
         x = torch.full((numel,), float(rank + 1), dtype=torch.float32)
         t0 = time.perf_counter()
         dist.all_reduce(x)
         elapsed += time.perf_counter() - t0
         correct = correct and bool(torch.all(x == expected).item())
     small: list[float] = []
-    for _ in range(max(1, args.small_iters)):
+    for _ in range(max(1, small_iters)):
         one = torch.full((1,), float(rank + 1))
         dist.barrier()
         t0 = time.perf_counter()
@@ -57,21 +65,8 @@ def main() -> int:
         small.append(time.perf_counter() - t0)
         correct = correct and float(one.item()) == expected
     dist.barrier()
-    print(
-        json.dumps(
-            {
-                "rank": rank,
-                "world": world,
-                "nbytes": numel * 4,
-                "seconds": elapsed,
-                "small_seconds": statistics.median(small),
-                "correct": correct,
-            }
-        ),
-        flush=True,
-    )
-    dist.destroy_process_group()
-    return 0
+    return {"rank": rank, "world": world, "nbytes": numel * 4, "seconds": elapsed,
+            "small_seconds": statistics.median(small), "correct": correct}
 
 
 if __name__ == "__main__":

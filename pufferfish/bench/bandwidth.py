@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["LINK_FORM", "MAX_DELAY_MS", "format_bps", "parse_bandwidth", "parse_link"]
+__all__ = ["LINK_FORM", "MAX_DELAY_MS", "TORCHRUN_LINK", "format_bps", "parse_bandwidth",
+           "parse_link"]
+
+TORCHRUN_LINK = "torchrun"  # the link of a bench under torchrun: its processes' own (launched.py)
 
 _BW_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(k|m|g|t)?(bit|bps)\s*$", re.IGNORECASE)
 _BW_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}

@@ -1,9 +1,8 @@
-"""``pufferfish bench``'s settings: :class:`BenchConfig` (checked in one place), its command-line
-flags, and the measured settings of an earlier run that ``--from-results`` reuses."""
+"""``pufferfish bench``'s settings: :class:`BenchConfig` (checked in one place) and the measured
+settings of an earlier run that ``--from-results`` reuses (the flags: :mod:`.flags`)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -19,6 +18,7 @@ from ..distributed.hooks import with_option_fields
 from . import accuracy as acc
 from . import projection as proj
 from .bandwidth import parse_link
+from .launched import TORCHRUN_LINK, launched_world
 from .step import (
     BENCH_METHODS,
     FSDP_METHODS,
@@ -29,6 +29,7 @@ from .step import (
     hook_for,
     parse_method_map,
 )
+from .usermodel import check_workload, is_user_model
 
 __all__ = [
     "AMP_CHOICES",
@@ -37,9 +38,8 @@ __all__ = [
     "IMAGE_MODELS",
     "STEP_TIMEOUT",
     "BenchConfig",
-    "add_arguments",
-    "config_from_args",
     "load_results",
+    "measured_config",
     "parallel_methods",
     "parse_compute_ms",
     "results_path",
@@ -94,6 +94,7 @@ class BenchConfig:
     parallel: str = "ddp"  # fsdp: --methods ddp,pufferfish measured as fsdp,pufferfish+fsdp
     bandwidths: list[str] = field(default_factory=lambda: ["loopback"])
     workers: int = 2
+    torchrun: bool = False  # measured inside torchrun's processes, over their link (launched.py)
     steps: int = 20
     warmup: int = 3
     compute_steps: int = 5
@@ -135,26 +136,23 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Check every value before any process starts (``ValueError``: CLI exit 2)."""
-        if self.model not in (*IMAGE_MODELS, *LM_MODELS):
+        if is_user_model(self.model):
+            self._validate_user_model()
+        elif self.model not in (*IMAGE_MODELS, *LM_MODELS):
             raise ValueError(
                 f"model {self.model!r} is invalid for the benchmark: allowed "
-                f"{', '.join((*IMAGE_MODELS, *LM_MODELS))}"
+                f"{', '.join((*IMAGE_MODELS, *LM_MODELS))}, or your own: PATH.py:FUNC, "
+                "package.module:FUNC, hf:CONFIG.json"
             )
         if self.model in LM_MODELS and (self.train or self.accuracy_runs):
             raise ValueError(f"model {self.model!r}: --train and --accuracy-runs are for the "
                              f"image models ({', '.join(IMAGE_MODELS)}); step times only")
         self._validate_methods()
         self._validate_fsdp()
-        if not self.bandwidths:
-            raise ValueError("--bandwidth is empty: allowed e.g. loopback,1gbit,100mbit")
-        rates = [parse_link(b)[0] for b in self.bandwidths]
-        if self.workers < 2:
-            raise ValueError(f"--workers {self.workers} is invalid: allowed >= 2 (DDP)")
-        if self.workers != 2 and any(r is not None for r in rates):
-            raise ValueError(
-                f"--workers {self.workers}: an emulated link connects exactly 2 workers; "
-                "use --workers 2, or --bandwidth loopback for more workers"
-            )
+        if self.torchrun:
+            self._validate_torchrun()
+        else:
+            self._validate_links()
         for option in HOOK_OPTIONS:
             option.check(getattr(self, option.key))
         for name in ("steps", "compute_steps", "batch_size", "epochs", "rounds", "inner_steps",
@@ -214,6 +212,48 @@ class BenchConfig:
                 f"Fashion-MNIST directory {str(data)!r} does not exist: install the Debian "
                 "package dataset-fashion-mnist or pass --data-dir"
             )
+
+    def _validate_links(self) -> None:
+        """``--bandwidth`` and ``--workers``: the links this bench emulates and its groups."""
+        if not self.bandwidths:
+            raise ValueError("--bandwidth is empty: allowed e.g. loopback,1gbit,100mbit")
+        rates = [parse_link(b)[0] for b in self.bandwidths]
+        if self.workers < 2:
+            raise ValueError(f"--workers {self.workers} is invalid: allowed >= 2 (DDP)")
+        if self.workers != 2 and any(r is not None for r in rates):
+            raise ValueError(
+                f"--workers {self.workers}: an emulated link connects exactly 2 workers; "
+                "use --workers 2, or --bandwidth loopback for more workers"
+            )
+
+    def _validate_torchrun(self) -> None:
+        """Under torchrun: its processes over their own link, step times only."""
+        if self.workers < 2:
+            raise ValueError(f"torchrun started {self.workers} process(es): allowed >= 2 "
+                             "(--nnodes x --nproc-per-node), DDP needs peers")
+        if self.bandwidths != [TORCHRUN_LINK]:
+            raise ValueError(f"--bandwidth {','.join(self.bandwidths)!r} is invalid under "
+                             "torchrun, which measures the link its processes have: allowed "
+                             "none (emulated links are for a bench outside torchrun)")
+        if self.train:
+            raise ValueError("--train is invalid under torchrun: allowed outside it (under "
+                             "torchrun the bench measures step times)")
+
+    def _validate_user_model(self) -> None:
+        """``--model PATH.py:FUNC`` (or ``module:FUNC``, ``hf:CONFIG.json``): it loads, keeps the
+        Workload contract, and Pufferfish finds layers to factorize if a method needs them; the
+        methods and modes that need one of our models are refused."""
+        if self.train or self.accuracy_runs:
+            raise ValueError(f"--model {self.model!r}: --train and --accuracy-runs train our "
+                             f"models ({', '.join(IMAGE_MODELS)}); your model: step times only")
+        for m in self.methods:
+            hook_for(m)
+            if m == "galore" or m in FSDP_METHODS:
+                raise ValueError(f"method {m!r} is invalid with your model {self.model!r}: "
+                                 "allowed the DDP and DiLoCo methods")
+        if self.from_results:
+            return  # measured before: nothing is built
+        check_workload(self.model, self.seq_len, any(hook_for(m)[0] for m in self.methods))
 
     def _validate_grad_accum(self) -> None:
         """``--grad-accum``: step timing only; the time-to-accuracy runs count steps of one
@@ -331,181 +371,14 @@ class BenchConfig:
         return epochs
 
     def worker_threads(self) -> int:
-        return self.threads or max(1, (os.cpu_count() or 1) // self.workers)
+        """``--threads``, or this machine's cores shared by its processes (under torchrun:
+        ``LOCAL_WORLD_SIZE`` of them)."""
+        here = launched_world()[1] if self.torchrun else self.workers
+        return self.threads or max(1, (os.cpu_count() or 1) // here)
 
 
 def _default_data_dir() -> Path:
     return Path(DEFAULT_FASHION_DIR)
-
-
-# -- command line --------------------------------------------------------------------------------
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The ``pufferfish bench`` options (kept here so that ``cli.py`` stays parsing-only), in the
-    order ``--help`` lists them."""
-    d = BenchConfig()
-    _model_arguments(ap, d)
-    _measurement_arguments(ap, d)
-    _output_arguments(ap, d)
-    _train_arguments(ap, d)
-
-
-def _model_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
-    """What is measured: the model and the methods."""
-    ap.add_argument("--model", default=d.model, help=f"{', '.join((*IMAGE_MODELS, *LM_MODELS))}")
-    ap.add_argument("--seq-len", type=int, default=d.seq_len,
-                    help="language models: tokens per sequence of a batch")
-    ap.add_argument("--vocab-size", type=int, default=d.vocab_size,
-                    help="language models: vocabulary size of the model and its batches")
-    ap.add_argument("--width", type=float, default=d.width, help="channel multiplier")
-    ap.add_argument("--methods", default=",".join(d.methods),
-                    help=f"comma-separated, from: {', '.join(BENCH_METHODS)} (with --parallel "
-                         "fsdp the default is ddp,pufferfish)")
-    ap.add_argument("--parallel", choices=("ddp", "fsdp"), default=d.parallel,
-                    help="fsdp: measure the FSDP2 versions of --methods ddp,pufferfish "
-                         "(fsdp, pufferfish+fsdp; no other method has one); to compare both "
-                         "side by side, keep ddp and name them: --methods "
-                         "ddp,pufferfish,fsdp,pufferfish+fsdp")
-
-
-def _measurement_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
-    """How the steps are measured: links, workers, steps, buckets, the methods' options."""
-    ap.add_argument("--bandwidth", default="loopback",
-                    help="comma-separated: loopback and/or emulated rates such as 1gbit,100mbit, "
-                         "each with an optional one-way latency, e.g. 100mbit,100mbit@20ms "
-                         "(emulation needs root + iproute2, a latency netem, and exactly 2 "
-                         "workers)")
-    ap.add_argument("--workers", type=int, default=d.workers,
-                    help="processes per group; more than 2 only on loopback")
-    ap.add_argument("--steps", type=int, default=d.steps,
-                    help="timed full steps (DDP, or FSDP2 for fsdp methods)")
-    ap.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first")
-    ap.add_argument("--compute-steps", type=int, default=d.compute_steps,
-                    help="timed steps under ddp.no_sync(), compute only (fsdp methods: on an "
-                         "unsharded copy of the model)")
-    ap.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker")
-    ap.add_argument("--grad-accum", type=int, default=d.grad_accum,
-                    help="micro-batches of --batch-size per step, one gradient synchronization")
-    for option in HOOK_OPTIONS:
-        ap.add_argument("--" + option.key.replace("_", "-"), type=option.kind,
-                        default=getattr(d, option.key), help=option.help)
-    ap.add_argument("--threads", type=int, default=d.threads,
-                    help="torch threads per worker (0: cores // workers)")
-    ap.add_argument("--data-dir", default=d.data_dir, help="Fashion-MNIST directory")
-    ap.add_argument("--alpha-us", type=float, default=d.alpha * 1e6,
-                    help="per-message latency of the projection model, microseconds")
-    ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction,
-                    default=d.channels_last,
-                    help="conv weights in NHWC memory order (the training default; "
-                         "--no-channels-last: NCHW)")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
-                    help="torch.compile every method's model (compiled in the warm-up steps)")
-    ap.add_argument("--amp", default=d.amp,
-                    help="autocast of every timed step: bf16, or fp16 with a GradScaler (none: "
-                         "full precision)")
-    ap.add_argument("--bucket-mb", default=d.bucket_mb,
-                    help="DDP's gradient bucket cap in MiB, 'torch' (torch's default) or 'auto' "
-                         "(each method's fastest, timed on its own steps)")
-    ap.add_argument("--no-probe", dest="probe", action="store_false",
-                    help="skip the all-reduce probe that measures each link's real rate")
-    ap.add_argument("--timeout", type=float, default=d.timeout,
-                    help=f"seconds per worker group (0: {STEP_TIMEOUT:.0f} for step timing, "
-                         "no limit for --train)")
-    ap.add_argument("--rounds", type=int, default=d.rounds,
-                    help="interleaved rounds: every (link, method) once per round, the order "
-                         "rotating; rows give the median and min-max over rounds")
-
-
-def _output_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
-    """Where results go, and accuracy against wall-clock from earlier runs or results."""
-    ap.add_argument("--out", default=d.out, help="output directory")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="replace files in --out that another command (or you) wrote there")
-    ap.add_argument("--accuracy-runs", default=d.accuracy_runs, metavar="METHOD=DIR,...",
-                    help="`pufferfish train` runs whose per-epoch accuracy, timed with the "
-                         "measured step times, gives accuracy against wall-clock per link, "
-                         "e.g. ddp=runs/full,powersgd=runs/psgd,pufferfish=runs/puff "
-                         "(same model, width and batch; a ddp run sets the target)")
-    ap.add_argument("--accuracy-processes", type=int, default=d.accuracy_processes,
-                    metavar="N", help="processes the --accuracy-runs trained on, when not "
-                    "--workers (e.g. 1: one GPU at batch 128 for 2 workers x 64); 0: --workers")
-    ap.add_argument("--compute-ms", default=d.compute_ms,
-                    metavar="full=MS,factorized=MS,METHOD=MS",
-                    help="your GPU's ms per training step (one worker's batch) of the full-rank "
-                         "and factorized models, and of any method with its encode/decode (e.g. "
-                         "full=9.5,factorized=13.7,powersgd=38), for the projection to 8-64 "
-                         "workers at 1/10/100 Gbit/s and (with --accuracy-runs) time to "
-                         "accuracy; without factorized= the factorized model keeps this CPU's "
-                         "low-rank/full ratio, which the results state")
-    ap.add_argument("--from-results", default=d.from_results, metavar="RESULTS_JSON",
-                    help="reuse the step times of an earlier bench (its results.json, or its "
-                         "--out directory) instead of measuring; measurement flags are ignored")
-
-
-def _train_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
-    """``--train``: each method trained with ``pufferfish train``."""
-    ap.add_argument("--train", action="store_true",
-                    help="train each method with `pufferfish train` and plot time-to-accuracy")
-    ap.add_argument("--epochs", type=int, default=d.epochs, help="--train: epochs per method")
-    ap.add_argument("--method-epochs", default=d.method_epochs, metavar="METHOD=EPOCHS,...",
-                    help="--train: other epochs for some methods, e.g. pufferfish=5 with "
-                         "--epochs 4 (an equal wall-clock budget: a faster method trains more "
-                         "epochs in the same time)")
-    ap.add_argument("--warmup-epochs", type=int, default=d.warmup_epochs,
-                    help="--train: Pufferfish's full-rank warm-up epochs")
-    ap.add_argument("--train-subset", type=int, default=d.train_subset,
-                    help="--train: first N training examples (0: all)")
-    ap.add_argument("--val-subset", type=int, default=d.val_subset,
-                    help="--train: training images held out as the validation split (0: none)")
-    ap.add_argument("--test-subset", type=int, default=d.test_subset,
-                    help="--train: first N test examples (0: all)")
-    ap.add_argument("--lr", type=float, default=d.lr, help="--train: learning rate")
-    ap.add_argument("--inner-steps", type=int, default=d.inner_steps,
-                    help="diloco, pufferfish+diloco: optimizer steps between synchronizations")
-    ap.add_argument("--train-config", default=d.train_config, metavar="TOML",
-                    help="--train: a `pufferfish train` config file for the runs' other options "
-                         "(keep, switch_momentum, schedule, ...); the flags above win")
-
-
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """A validated :class:`BenchConfig` from parsed ``add_arguments`` options."""
-    measured = _measured_config(args.from_results) if args.from_results else {}
-    cfg = BenchConfig(
-        model=args.model, width=args.width, parallel=args.parallel,
-        methods=parallel_methods(_methods_arg(args), args.parallel),
-        bandwidths=[b.strip() for b in args.bandwidth.split(",") if b.strip()],
-        workers=args.workers, steps=args.steps, warmup=args.warmup,
-        compute_steps=args.compute_steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
-        seq_len=args.seq_len, vocab_size=args.vocab_size,
-        **{option.key: getattr(args, option.key) for option in HOOK_OPTIONS},
-        threads=args.threads,
-        data_dir=args.data_dir, alpha=args.alpha_us * 1e-6, probe=args.probe,
-        channels_last=args.channels_last, compile=args.compile, amp=args.amp,
-        bucket_mb=args.bucket_mb,
-        timeout=args.timeout, out=args.out, overwrite=args.overwrite, train=args.train,
-        epochs=args.epochs,
-        method_epochs=args.method_epochs,
-        warmup_epochs=args.warmup_epochs, train_subset=args.train_subset,
-        val_subset=args.val_subset, test_subset=args.test_subset, lr=args.lr, train_config=args.train_config,
-        inner_steps=args.inner_steps,
-        rounds=args.rounds,
-        accuracy_runs=args.accuracy_runs, accuracy_processes=args.accuracy_processes,
-        compute_ms=args.compute_ms,
-        from_results=args.from_results,
-    )  # fmt: skip
-    for key, value in measured.items():  # what was measured, not today's flags
-        setattr(cfg, key, value)
-    cfg.validate()
-    return cfg
-
-
-def _methods_arg(args: argparse.Namespace) -> list[str]:
-    """``--methods`` as a list; under ``--parallel fsdp`` the default is the two that have an
-    FSDP2 version."""
-    if args.parallel == "fsdp" and args.methods == ",".join(DEFAULT_METHODS):
-        return list(FSDP_VERSIONS)
-    return [m.strip() for m in args.methods.split(",") if m.strip()]
 
 
 def parallel_methods(methods: list[str], parallel: str) -> list[str]:
@@ -528,7 +401,7 @@ def parallel_methods(methods: list[str], parallel: str) -> list[str]:
 _MEASURED = ("model", "width", "methods", "parallel", "bandwidths", "workers", "steps", "warmup",
              "compute_steps", "batch_size", "grad_accum", *(option.key for option in HOOK_OPTIONS), "threads",
              "rounds", "channels_last", "compile", "amp", "bucket_mb", "inner_steps", "seq_len",
-             "vocab_size")
+             "vocab_size", "torchrun")
 
 
 def results_path(path: str) -> Path:
@@ -552,7 +425,7 @@ def load_results(path: str) -> dict[str, Any]:
     return data
 
 
-def _measured_config(path: str) -> dict[str, Any]:
+def measured_config(path: str) -> dict[str, Any]:
     # Older results: NCHW, eager, torch's default buckets.
     saved = {"channels_last": False, "compile": False, "amp": "none", "bucket_mb": "torch",
              "parallel": "ddp",

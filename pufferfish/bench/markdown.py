@@ -18,6 +18,7 @@ from .bandwidth import format_bps
 from .config import BenchConfig, results_path
 from .rounds import spread
 from .step import LM_MODELS
+from .usermodel import is_user_model
 from .verdict import verdict_markdown
 
 __all__ = ["results_markdown", "train_markdown"]
@@ -34,6 +35,8 @@ def _ms_spread(row: dict[str, Any], key: str) -> str:
 
 
 def _data(cfg: BenchConfig) -> str:
+    if is_user_model(cfg.model):
+        return "the workload's make_batch"
     if cfg.model not in LM_MODELS:
         return "Fashion-MNIST"
     return f"KJV sequences of {cfg.seq_len} words (vocabulary {cfg.vocab_size})"
@@ -53,7 +56,9 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
     source = (f"Step times reused from `{results_path(cfg.from_results)}`. "
               if cfg.from_results else "")
     lines = [
-        f"# pufferfish bench: {cfg.model} x{cfg.width}, {cfg.workers} workers",
+        f"# pufferfish bench: {cfg.model}"
+        f"{'' if is_user_model(cfg.model) else f' x{cfg.width}'}, {cfg.workers} workers"
+        f"{' (torchrun)' if cfg.torchrun else ''}",
         "",
         *_verdict_lines(result),
         f"{source}Per worker: batch {cfg.batch_size} of {_data(cfg)}{_accumulation(cfg)}"
@@ -63,7 +68,9 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
         f"interleaved round(s). torch {torch.__version__}, {os.cpu_count()} CPUs, "
         f"{platform.platform()}. PowerSGD rank {cfg.powersgd_rank} (compressing from step "
         f"{cfg.powersgd_start_iter}), top-k ratio {cfg.topk_ratio}, signum beta "
-        f"{cfg.signum_beta}; pufferfish = the paper preset at rank ratio 0.25.",
+        f"{cfg.signum_beta}; pufferfish = "
+        + ("the workload's keep / preset / rank_ratio (the factorization report is in the log)."
+           if is_user_model(cfg.model) else "the paper preset at rank ratio 0.25."),
         "",
         "Each round runs one worker group per link that measures every method in turn; the "
         "order of links and of methods rotates from round to round (below). Per round: step = "

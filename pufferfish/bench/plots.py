@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from . import projection as proj
-from .bandwidth import parse_link
+from .bandwidth import TORCHRUN_LINK, parse_link
 
 __all__ = ["plot_results"]
 
@@ -24,7 +24,7 @@ def plot_results(result: dict[str, Any], out: Path) -> list[Path]:
     # Fastest link on the left: loopback, then emulated rates in decreasing order (the same rate
     # without delay before with).
     def speed(b: str) -> tuple[float, float]:
-        rate, delay = parse_link(b)
+        rate, delay = (None, 0.0) if b == TORCHRUN_LINK else parse_link(b)
         return -(rate or float("inf")), delay
 
     order = sorted(dict.fromkeys(r["bandwidth"] for r in recs), key=speed)

@@ -17,7 +17,7 @@ from .bandwidth import format_bps, parse_link
 from .netns import EmulatedLink, cleanup_stale, netem_available, netns_available
 from .workers import run_workers
 
-__all__ = ["ProbeResult", "measure_link", "measure_throughput", "run_probe"]
+__all__ = ["ProbeResult", "measure_link", "measure_throughput", "probe_result", "run_probe"]
 
 _PROBE = Path(__file__).with_name("_probe.py")
 
@@ -68,7 +68,13 @@ def run_probe(
         if not lines:
             raise RuntimeError(f"all-reduce probe rank {r} printed no result: {p.stdout!r}")
         reports.append(json.loads(lines[-1]))
-    world = len(results)
+    return probe_result(reports, iters)
+
+
+def probe_result(reports: Sequence[dict], iters: int = 1) -> ProbeResult:
+    """One :class:`ProbeResult` from every rank's report (``_probe.measure``): the slowest
+    rank's times; bus bandwidth as nccl-tests count it."""
+    world = len(reports)
     seconds = max(float(rep["seconds"]) for rep in reports)
     size = int(reports[0]["nbytes"])
     bus_bps = size * 8 * iters / seconds * 2 * (world - 1) / world

@@ -74,11 +74,11 @@ from .config import (
     DEFAULT_METHODS,
     STEP_TIMEOUT,
     BenchConfig,
-    add_arguments,
-    config_from_args,
     load_results,
     results_path,
 )
+from .flags import add_arguments, config_from_args
+from .launched import is_rank0, measure_in_group
 from .markdown import results_markdown, train_markdown
 from .netns import EmulatedLink, cleanup_stale, netem_available, netns_available
 from .plots import plot_results
@@ -87,6 +87,7 @@ from .progress import TrainingProgress, measuring
 from .results import project, time_to_accuracy_result, train_summary
 from .rounds import compute_check, round_plan, summarize
 from .step import HOOK_OPTIONS, hook_for, parallel_for, sync_for
+from .usermodel import factorization_report, is_user_model
 from .workers import WorkerTimeout, run_workers
 
 __all__ = [
@@ -200,13 +201,14 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
     link and method, ``rows`` their summary per link and method.
     """
     cfg.validate()
-    claim_outputs(cfg.out, "bench", BENCH_FILES, cfg.overwrite)
-    if cfg.from_results:
-        saved = load_results(cfg.from_results)
-        log(f"step times from {results_path(cfg.from_results)} (measured, not re-run)")
-        measured = {k: saved[k] for k in ("links", "order", "rounds", "skipped", "failures")}
+    writer = not cfg.torchrun or is_rank0()  # under torchrun rank 0 writes and prints
+    if writer:
+        claim_outputs(cfg.out, "bench", BENCH_FILES, cfg.overwrite)
     else:
-        measured = _measure(cfg, log)
+        log = _quiet
+    measured = _measured(cfg, log)
+    if not writer:
+        return {**measured, "failures": []}
     records = measured["rounds"]
     links = [link["bandwidth"] for link in measured["links"]]
     rows = summarize(records, links, cfg.methods)
@@ -225,6 +227,27 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     _write_outputs(cfg, result, log)
     return result
+
+
+def _measured(cfg: BenchConfig, log: Log) -> dict[str, Any]:
+    """The step times: an earlier run's (``--from-results``), measured in torchrun's processes
+    (:mod:`.launched`), or by the bench's own worker groups; the user's model's factorization
+    said first."""
+    if is_user_model(cfg.model) and not cfg.from_results and any(hook_for(m)[0]
+                                                                 for m in cfg.methods):
+        log(f"Pufferfish factorizes {cfg.model}:\n"
+            f"{factorization_report(cfg.model, cfg.seq_len)}")
+    if cfg.from_results:
+        saved = load_results(cfg.from_results)
+        log(f"step times from {results_path(cfg.from_results)} (measured, not re-run)")
+        return {k: saved[k] for k in ("links", "order", "rounds", "skipped", "failures")}
+    if not cfg.torchrun:
+        return _measure(cfg, log)
+    with tempfile.TemporaryDirectory(prefix="pf-bench-") as tmp:
+        flags = _step_argv(cfg, cfg.methods, Path(tmp) / "unused.json", Path(tmp) / "cache")
+        return measure_in_group(cfg.methods, cfg.rounds, flags[3:],
+                                PROBE_BYTES if cfg.probe else 0, log,
+                                lambda text, r, rec: log(_record_line(text, r, rec)))
 
 
 def _measure(cfg: BenchConfig, log: Log) -> dict[str, Any]:
@@ -261,14 +284,7 @@ def _measure(cfg: BenchConfig, log: Log) -> dict[str, Any]:
                 for rec in got:
                     rec = {"round": r, **info, **rec}
                     records.append(rec)
-                    log(f"[{text}] round {r + 1} {rec['method']}: step {rec['step_time']:.4f} s "
-                        f"= compute {rec['compute_time']:.4f} + comm {rec['comm_time']:.4f} "
-                        f"(compress {rec['compress_time']:.4f}); "
-                        f"{rec['bytes_per_step'] / 1e6:.3f} MB/step; "
-                        + ("FSDP2" if rec.get("parallel") == "fsdp" else
-                           f"DiLoCo, an outer step every {rec['inner_steps']} steps"
-                           if "inner_steps" in rec else
-                           f"buckets {rec.get('bucket_mib') or 'torch'}"))
+                    log(_record_line(text, r, rec))
                 if err is not None:
                     done = {rec["method"] for rec in got}
                     lost = [m for m in methods if m not in done]
@@ -277,6 +293,22 @@ def _measure(cfg: BenchConfig, log: Log) -> dict[str, Any]:
                                      "round": r})
     return {"links": links, "order": order, "rounds": records, "skipped": skipped,
             "failures": failures}
+
+
+def _quiet(text: str) -> None:
+    """The log of a torchrun rank other than 0: rank 0 says it all."""
+
+
+def _record_line(text: str, r: int, rec: dict[str, Any]) -> str:
+    """One measured record of round ``r`` over link ``text``, as the log shows it."""
+    return (f"[{text}] round {r + 1} {rec['method']}: step {rec['step_time']:.4f} s "
+            f"= compute {rec['compute_time']:.4f} + comm {rec['comm_time']:.4f} "
+            f"(compress {rec['compress_time']:.4f}); "
+            f"{rec['bytes_per_step'] / 1e6:.3f} MB/step; "
+            + ("FSDP2" if rec.get("parallel") == "fsdp" else
+               f"DiLoCo, an outer step every {rec['inner_steps']} steps"
+               if "inner_steps" in rec else
+               f"buckets {rec.get('bucket_mib') or 'torch'}"))
 
 
 def _step_group(

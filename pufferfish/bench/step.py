@@ -110,6 +110,7 @@ from ..distributed.env import cleanup, exit_process
 from ..distributed.hooks import all_hook_options, hook_names, hook_options, register_comm_hook
 from ..training.step import Replica, micro_batch_groups, timed
 from .sharded import measure_sharded
+from .usermodel import is_user_model, user_batches
 from .workload import (
     LM_MODELS,
     PUFFERFISH_RANK_RATIO,
@@ -281,6 +282,8 @@ def _steps_batches(args: argparse.Namespace, rank: int, world: int, n: int,
 
 def _batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list[Any]:
     """``n`` real training minibatches of this rank's shard, materialized up front."""
+    if is_user_model(args.model):  # the user's Workload.make_batch
+        return user_batches(args.model, args.seq_len, args.batch_size, n, seed=args.seed + rank)
     if args.model in LM_MODELS:
         return _token_batches(args, rank, world, n)
 

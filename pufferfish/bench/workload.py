@@ -21,6 +21,7 @@ from ..lowrank.counting import count_params
 from ..models import build_at_width
 from ..training.optim import build_optimizer
 from ..training.step import Replica, train_step
+from .usermodel import LOSS_ATTR, build_user_model, call_model, is_user_model, load_workload
 
 __all__ = ["LM_MODELS", "PUFFERFISH_RANK_RATIO", "build_model", "make_optimizer",
            "optimizer_name", "quartiles", "timed", "train_one_step"]
@@ -34,6 +35,9 @@ def build_model(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, 
     ``--channels-last`` memory order and compiled when ``args`` say so."""
 
     torch.manual_seed(args.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
+    if is_user_model(args.model):  # --model PATH.py:FUNC, module:FUNC, hf:CONFIG: usermodel.py
+        model, full = build_user_model(args.model, args.seq_len, factorized)
+        return _prepared(args, model), full
     if args.model in LM_MODELS:
         model = build_at_width(args.model, args.width, vocab_size=args.vocab,
                                max_len=args.seq_len)
@@ -43,16 +47,24 @@ def build_model(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, 
     full = count_params(model)
     if factorized:
         factorize(model, rank_ratio=PUFFERFISH_RANK_RATIO, preset="paper")
+    return _prepared(args, model), full
+
+
+def _prepared(args: argparse.Namespace, model: nn.Module) -> nn.Module:
+    """``model`` in ``--channels-last`` memory order and compiled when ``args`` say so."""
     if args.channels_last:  # as training stores them (TrainConfig.channels_last)
         model.to(memory_format=torch.channels_last)
     if args.compile:
         model.compile()
-    return model, full
+    return model
 
 
-def optimizer_name(model: str) -> str:
+def optimizer_name(model: str, seq_len: int = 64) -> str:
     """The one optimizer every method of a workload steps with: ``adamw`` for the language
-    models (the LM recipe), ``sgd`` with momentum for the image models (the paper's)."""
+    models (the LM recipe), ``sgd`` with momentum for the image models (the paper's), the
+    user's workload's own (``Workload.optimizer``) for theirs."""
+    if is_user_model(model):
+        return load_workload(model, seq_len).optimizer
     return "adamw" if model in LM_MODELS else "sgd"
 
 
@@ -63,10 +75,14 @@ def make_optimizer(args: argparse.Namespace, method: str,
     :func:`~pufferfish.training.optim.build_optimizer` (AdamW: decay / no-decay groups). ``galore``
     (language models only: ``BenchConfig`` refuses it with SGD's image models) steps with GaLore's
     own AdamW, the same LR, betas, epsilon and weight decay, projected at the Pufferfish ranks."""
-    cfg = TrainConfig(model=args.model, optimizer=optimizer_name(args.model), lr=args.lr,
+    # The user's model: a name TrainConfig knows; only its optimizer settings are read here.
+    user = is_user_model(args.model)
+    name = "llama" if user else args.model
+    optimizer = optimizer_name(args.model, args.seq_len) if user else optimizer_name(args.model)
+    cfg = TrainConfig(model=name, optimizer=optimizer, lr=args.lr,
                       momentum=0.9, weight_decay=1e-4, rank_ratio=str(PUFFERFISH_RANK_RATIO),
                       mode="galore" if method == "galore" else "full",
-                      data="kjv" if args.model in LM_MODELS else "fashion-mnist")
+                      data="kjv" if name in LM_MODELS else "fashion-mnist")
     if method == "galore":
         return galore_optimizer(model, galore_ranks(model, cfg), cfg)
     return build_optimizer(cfg, [{"params": list(model.parameters()),
@@ -76,9 +92,13 @@ def make_optimizer(args: argparse.Namespace, method: str,
 def train_one_step(replica: Replica, micro_batches: Sequence[Any]) -> None:
     """The training loop's step (:func:`pufferfish.training.step.train_step`) on ``(input,
     target)`` micro-batches (``--grad-accum`` of them: one gradient synchronization) with
-    cross-entropy: no AMP, clipping or non-finite vote."""
+    cross-entropy (the user's workload: its own loss, carried by its model): no AMP, clipping or
+    non-finite vote."""
+    own_loss = getattr(replica.model, LOSS_ATTR, None)
 
     def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if own_loss is not None:
+            return own_loss(call_model(replica.wrapped, x), y)
         out = replica.wrapped(x)
         logits = out[0] if isinstance(out, tuple) else out  # language models: (logits, hidden)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))

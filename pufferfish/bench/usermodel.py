@@ -1,0 +1,229 @@
+"""The user's own model for ``pufferfish bench --model REF``: the :class:`Workload` contract, the
+references that name one, and the checks that turn a bad one into a one-line error.
+
+``REF`` is ``PATH.py:FUNC`` (a file, spaces allowed), ``package.module:FUNC`` (importable), or
+``hf:PATH/config.json`` (a Hugging Face causal LM built from its config, no download; needs
+``transformers``). ``FUNC()`` takes no argument and returns a :class:`Workload`. Every worker
+process loads the reference itself (the bench passes the string, never the object), so the
+factory must be importable from a fresh process and give the same model there.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import importlib.util
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..lowrank import factorize
+from ..lowrank.presets import presets_of
+from ..lowrank.report import FactorizationReport
+
+__all__ = ["LOSS_ATTR", "Workload", "build_user_model", "call_model", "check_workload",
+           "factorization_report", "is_user_model", "load_workload", "user_batches"]
+
+LOSS_ATTR = "_pufferfish_bench_loss"  # the workload's loss, carried by its model (and copies)
+_HF = "hf:"
+_FORMS = "PATH.py:FUNC, package.module:FUNC or hf:CONFIG.json"
+
+
+@dataclass
+class Workload:
+    """What ``pufferfish bench`` measures on your model: every method trains ``model`` on
+    ``make_batch(batch_size)`` (one process's ``(inputs, targets)``; ``inputs`` a tensor, a tuple
+    of positional arguments or a dict of keyword arguments) with ``loss(outputs, targets)``, a
+    scalar tensor. Pufferfish factorizes ``model`` at ``rank_ratio``, keeping the modules whose
+    qualified names match ``keep`` (glob patterns) or the model's ``preset`` full rank."""
+
+    model: nn.Module
+    make_batch: Callable[[int], tuple[Any, Any]]
+    loss: Callable[[Any, Any], torch.Tensor]
+    keep: Sequence[str] = ()
+    preset: str | None = None
+    rank_ratio: float = 0.25
+    optimizer: str = "adamw"  # every method's optimizer: adamw or sgd (momentum 0.9)
+
+
+def is_user_model(ref: str) -> bool:
+    """Whether ``--model`` names the user's workload rather than one of ours."""
+    return ref.startswith(_HF) or ":" in ref
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """``model`` on a batch's inputs: a tuple as positional arguments, a dict as keywords."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, tuple | list):
+        return model(*inputs)
+    return model(inputs)
+
+
+@functools.lru_cache(maxsize=8)
+def load_workload(ref: str, seq_len: int = 64) -> Workload:
+    """The :class:`Workload` ``ref`` names (``seq_len``: tokens per sequence of ``hf:`` batches),
+    checked; ``ValueError`` in one line naming what was wrong. Cached per process: a worker builds
+    each method's model from it."""
+    if ref.startswith(_HF):
+        return _hf_workload(ref, ref[len(_HF):], seq_len)
+    where, sep, name = ref.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise ValueError(f"--model {ref!r} is invalid: allowed {_FORMS}")
+    factory = getattr(_module(ref, where), name, None)
+    if factory is None:
+        raise ValueError(f"--model {ref!r}: {where} has no {name!r}")
+    if not callable(factory):
+        raise ValueError(f"--model {ref!r}: {name} is not a function ({type(factory).__name__})")
+    try:
+        workload = factory()
+    except Exception as e:  # the user's code: any error is theirs, said in one line
+        raise ValueError(f"--model {ref!r}: {name}() raised {type(e).__name__}: {e}") from None
+    return _checked(ref, name, workload)
+
+
+def _module(ref: str, where: str) -> Any:
+    """The module of ``PATH.py`` (loaded from the file) or of ``package.module`` (imported)."""
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--model {ref!r}: no file {str(path)!r}")
+        name = f"_pufferfish_workload_{abs(hash(str(path.resolve())))}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"--model {ref!r}: {str(path)!r} is not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses and pickling look the module up by name
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            raise ValueError(f"--model {ref!r}: importing {str(path)!r} raised "
+                             f"{type(e).__name__}: {e}") from None
+        return module
+    try:
+        return importlib.import_module(where)
+    except Exception as e:
+        raise ValueError(f"--model {ref!r}: cannot import {where!r} "
+                         f"({type(e).__name__}: {e})") from None
+
+
+def _checked(ref: str, name: str, workload: Any) -> Workload:
+    """``workload`` if it keeps the contract, else a one-line ``ValueError`` saying how not."""
+    if not isinstance(workload, Workload):
+        raise ValueError(f"--model {ref!r}: {name}() returned a {type(workload).__name__}, "
+                         "allowed a pufferfish.bench.Workload(model=..., make_batch=..., loss=...)")
+    if not isinstance(workload.model, nn.Module):
+        raise ValueError(f"--model {ref!r}: Workload.model is a {type(workload.model).__name__}, "
+                         "allowed a torch.nn.Module")
+    for field in ("make_batch", "loss"):
+        if not callable(getattr(workload, field)):
+            raise ValueError(f"--model {ref!r}: Workload.{field} is not callable")
+    if workload.optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"--model {ref!r}: Workload.optimizer {workload.optimizer!r} is "
+                         "invalid: allowed adamw, sgd")
+    if not 0 < workload.rank_ratio <= 1:
+        raise ValueError(f"--model {ref!r}: Workload.rank_ratio {workload.rank_ratio!r} is "
+                         "invalid: allowed in (0, 1]")
+    return workload
+
+
+def _hf_workload(ref: str, config_path: str, seq_len: int) -> Workload:
+    """A Hugging Face causal LM from ``config_path`` (``AutoModelForCausalLM.from_config``: random
+    weights, nothing downloaded), on random token batches of ``seq_len`` with the next-token
+    cross-entropy; Pufferfish keeps the preset registered for its class (LLaMA-style: ``paper``)."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"--model {ref!r} needs transformers, which is not installed: "
+                         "pip install transformers") from None
+    if not Path(config_path).is_file():
+        raise ValueError(f"--model {ref!r}: no file {config_path!r} (allowed hf:CONFIG.json)")
+    try:
+        config = transformers.AutoConfig.from_pretrained(config_path)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # an unreadable file, an unknown model_type, no causal-LM class
+        raise ValueError(f"--model {ref!r}: building a causal LM from it raised "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    vocab = int(config.vocab_size)
+
+    def make_batch(batch_size: int) -> tuple[dict[str, Any], torch.Tensor]:
+        tokens = torch.randint(vocab, (batch_size, seq_len + 1))
+        return {"input_ids": tokens[:, :-1], "use_cache": False}, tokens[:, 1:]
+
+    def loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        logits = outputs.logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    preset = "paper" if "paper" in presets_of(model) else None
+    return Workload(model=model, make_batch=make_batch, loss=loss, preset=preset)
+
+
+def check_workload(ref: str, seq_len: int, factorized: bool) -> None:
+    """Before any process starts: ``ref`` loads, one step of batch 2 (``make_batch``, the model,
+    ``loss``) gives a scalar, and, if a method is ``factorized``, Pufferfish finds layers to
+    factorize. ``ValueError`` in one line naming what failed."""
+    workload = load_workload(ref, seq_len)
+    model = copy.deepcopy(workload.model)
+    try:
+        inputs, targets = workload.make_batch(2)
+        value = workload.loss(call_model(model, inputs), targets)
+    except Exception as e:  # the user's code: said in one line
+        raise ValueError(f"--model {ref!r}: a step on make_batch(2) raised {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise ValueError(f"--model {ref!r}: loss(outputs, targets) returned "
+                         f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))}, "
+                         "allowed a scalar tensor")
+    if factorized:
+        factorization_report(ref, seq_len)
+
+
+def build_user_model(ref: str, seq_len: int, factorized: bool) -> tuple[nn.Module, int]:
+    """A fresh copy of the workload's model (factorized as :func:`factorization_report` says when
+    ``factorized``) carrying its loss, and its full-rank parameter count."""
+    workload = load_workload(ref, seq_len)
+    model = copy.deepcopy(workload.model)
+    full = sum(p.numel() for p in model.parameters())
+    if factorized:
+        _factorize(ref, workload, model)
+    setattr(model, LOSS_ATTR, workload.loss)
+    return model, full
+
+
+def factorization_report(ref: str, seq_len: int = 64) -> FactorizationReport:
+    """What Pufferfish makes of the workload's model (on a copy); ``ValueError`` if nothing."""
+    workload = load_workload(ref, seq_len)
+    return _factorize(ref, workload, copy.deepcopy(workload.model))
+
+
+def _factorize(ref: str, workload: Workload, model: nn.Module) -> FactorizationReport:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "changed nothing" is refused below, in one line
+            report = factorize(model, rank_ratio=workload.rank_ratio, keep=workload.keep,
+                               preset=workload.preset)
+    except ValueError as e:  # a keep pattern that matches nothing, an unknown preset
+        raise ValueError(f"--model {ref!r}: {e}") from None
+    if not report.factorized:
+        kept = sorted({d.reason for d in report.layers}) or ["no layer with a weight matrix"]
+        raise ValueError(f"--model {ref!r}: Pufferfish has nothing to factorize in "
+                         f"{type(model).__name__} ({'; '.join(kept)[:200]}): allowed a model with "
+                         "Linear/Conv/LSTM/attention layers it may make low rank")
+    return report
+
+
+def user_batches(ref: str, seq_len: int, batch_size: int, n: int,
+                 seed: int = 0) -> list[tuple[Any, Any]]:
+    """``n`` of the workload's batches (after ``torch.manual_seed(seed)``: each rank its own),
+    made before anything is timed."""
+    make_batch = load_workload(ref, seq_len).make_batch
+    torch.manual_seed(seed)
+    return [make_batch(batch_size) for _ in range(n)]
