@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from test_training import free_port, run_cli
 
 from pufferfish.bench import Workload
@@ -293,3 +294,20 @@ def test_two_machines_under_torchrun(workloads: Path, tmp_path: Path) -> None:
     result = _results(out)
     _check_measured(result, methods, 2)
     assert result["links"][0]["nodes"] == 2
+
+
+def test_under_torchrun_each_rank_takes_its_node_s_device_and_the_group_s_backend(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pufferfish.bench.launched import launched_device
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    expected = ((torch.device("cuda", 1 % torch.cuda.device_count()), "nccl")
+                if torch.cuda.device_count() >= 2 else (torch.device("cpu"), "gloo"))
+    if torch.cuda.device_count() == 1:
+        expected = (torch.device("cuda", 0), "gloo")  # two ranks share the one GPU
+    assert launched_device("auto", cpu_only=False) == expected
+    assert launched_device("auto", cpu_only=True) == (torch.device("cpu"), "gloo")  # FSDP2
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device 'cuda' is invalid here"):
+            launched_device("cuda", cpu_only=False)

@@ -38,30 +38,42 @@ def main() -> int:
     return 0
 
 
-def measure(nbytes: int, iters: int = 1, small_iters: int = 10) -> dict:
+def measure(nbytes: int, iters: int = 1, small_iters: int = 10,
+            device: torch.device | None = None) -> dict:
     """This rank's report of the module docstring's probe, in the process group already set up
-    (also the in-process probe of ``pufferfish bench`` under torchrun: bench/launched.py)."""
+    (also the in-process probe of ``pufferfish bench`` under torchrun: bench/launched.py, where
+    ``device`` is the rank's GPU under NCCL: each all-reduce is then waited for on the GPU)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     numel = max(1, nbytes // 4)
-    # Warm-up: establishes all gloo pair connections so the timed part is pure transfer.
-    dist.all_reduce(torch.ones(1024))
+    device = device or torch.device("cpu")
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    # Warm-up: establishes all pair connections so the timed part is pure transfer.
+    dist.all_reduce(torch.ones(1024, device=device))
+    sync()
     dist.barrier()
 
     correct = True
     expected = world * (world + 1) / 2
     elapsed = 0.0
     for _ in range(iters):
-        x = torch.full((numel,), float(rank + 1), dtype=torch.float32)
+        x = torch.full((numel,), float(rank + 1), dtype=torch.float32, device=device)
+        sync()
         t0 = time.perf_counter()
         dist.all_reduce(x)
+        sync()
         elapsed += time.perf_counter() - t0
         correct = correct and bool(torch.all(x == expected).item())
     small: list[float] = []
     for _ in range(max(1, small_iters)):
-        one = torch.full((1,), float(rank + 1))
+        one = torch.full((1,), float(rank + 1), device=device)
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(one)
+        sync()
         small.append(time.perf_counter() - t0)
         correct = correct and float(one.item()) == expected
     dist.barrier()

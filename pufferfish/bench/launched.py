@@ -3,7 +3,8 @@
 On one machine the bench launches its own ranks (:mod:`.workers`) over loopback or an emulated
 link. Under ``torchrun`` (any ``--nnodes`` / ``--nproc-per-node``, its rendezvous as the user set
 it) the processes are already there, on the user's machines and network: every process runs the
-same ``pufferfish bench`` command, joins one gloo group, and
+same ``pufferfish bench`` command, joins one process group (NCCL on a GPU per local rank, else
+gloo: :func:`launched_device`), and
 
 1. probes the link between the ranks with the all-reduces of ``_probe.measure`` (bus bandwidth of
    a large one, round trip of a one-float one): the links table's one row, ``torchrun``;
@@ -24,6 +25,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..distributed.env import cleanup
@@ -31,10 +33,17 @@ from . import _probe
 from .bandwidth import TORCHRUN_LINK, format_bps
 from .probe import ProbeResult, probe_result
 from .rounds import round_plan
-from .step import _parser, _record, _steps_batches, measure  # the step worker's own protocol
+from .step import (  # the step worker's own protocol
+    FSDP_METHODS,
+    _parser,
+    _record,
+    _steps_batches,
+    measure,
+    pick_device,
+)
 
-__all__ = ["TORCHRUN_LINK", "is_rank0", "launched_world", "measure_in_group", "torchrun_links",
-           "under_torchrun"]
+__all__ = ["TORCHRUN_LINK", "is_rank0", "launched_device", "launched_world", "measure_in_group",
+           "torchrun_links", "under_torchrun"]
 
 _TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 GROUP_TIMEOUT_S = 600.0
@@ -77,23 +86,25 @@ def measure_in_group(methods: Sequence[str], rounds: int, step_flags: Sequence[s
     process group of torchrun's processes. ``step_flags``: the step worker's flags (its parser), so
     that a method is measured exactly as in the bench's own worker groups. Every rank returns
     ``{"links", "order", "rounds", "skipped", "failures"}``; only rank 0's records are filled."""
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    args = _parser().parse_args(list(step_flags))
+    device, backend = launched_device(args.device, any(m in FSDP_METHODS for m in methods))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     finished = False
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        probed = _probe_link(probe_bytes, log) if probe_bytes else None
+        probed = _probe_link(probe_bytes, log, device) if probe_bytes else None
         link = {"bandwidth": TORCHRUN_LINK, "bandwidth_bps": None, "delay_ms": 0.0,
                 "link_bps": probed.bus_bps if probed else None,
                 "link_rtt_s": probed.latency_s if probed else None,
                 "processes": world, "nodes": int(os.environ.get("GROUP_WORLD_SIZE", "1"))}
-        args = _parser().parse_args(list(step_flags))
-        batches = _steps_batches(args, rank, world, args.warmup + args.compute_steps + args.steps)
+        batches = _steps_batches(args, rank, world, args.warmup + args.compute_steps + args.steps,
+                                 device)
         order = round_plan([TORCHRUN_LINK], methods, rounds)
         records: list[dict[str, Any]] = []
         for r, plan in enumerate(order):
             log(f"round {r + 1}/{rounds}: {TORCHRUN_LINK}: {', '.join(plan[0][1])}")
             for method in plan[0][1]:
-                mine = measure(args, method, batches)
+                mine = measure(args, method, batches, device)
                 gc.collect()  # the previous method's model, DDP reducer and hook state go now
                 gathered: list[Any] = [None] * world
                 dist.all_gather_object(gathered, mine)
@@ -107,9 +118,25 @@ def measure_in_group(methods: Sequence[str], rounds: int, step_flags: Sequence[s
     return {"links": [link], "order": order, "rounds": records, "skipped": [], "failures": []}
 
 
-def _probe_link(nbytes: int, log: Callable[[str], None]) -> ProbeResult:
+def launched_device(requested: str, cpu_only: bool) -> tuple[torch.device, str]:
+    """This rank's device and the group's backend under the user's torchrun: a GPU of its own
+    node (``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE``) and NCCL when each local rank has one
+    (:func:`~.step.pick_device`); the CPU and gloo otherwise, or when an FSDP2 method is measured
+    (timed on the CPU, as in the bench's own worker groups). NCCL's own transports are left as the
+    user's cluster sets them (the emulated links' switches are not applied here)."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device, backend = pick_device("cpu" if cpu_only else requested, local, local_world,
+                                  torch.cuda.device_count())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device, backend
+
+
+def _probe_link(nbytes: int, log: Callable[[str], None],
+                device: torch.device | None = None) -> ProbeResult:
     """The all-reduce probe of bench/probe.py, run in this group: what the link delivers."""
-    mine = _probe.measure(nbytes)
+    mine = _probe.measure(nbytes, device=device)
     reports: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(reports, mine)
     res = probe_result(reports)
