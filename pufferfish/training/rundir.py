@@ -5,7 +5,8 @@
   suffix, never an exists-check then a create.
 * Rank 0 holds an exclusive ``flock`` on ``RUN_DIR/.pufferfish.lock`` for the run's life: a second
   writer is refused naming the holder's pid; the OS releases it when the process dies, so a
-  restart or a resume after a crash takes it again.
+  restart or a resume after a crash takes it again (the file stays then; a run that ends
+  removes it).
 * Which files ``pufferfish train`` wrote is in the directory's outputs record
   (:mod:`pufferfish.outputs`, command ``train``), not guessed from file names: a directory that
   merely holds a ``config.toml`` of the user's is no earlier run, and ``--overwrite`` removes only
@@ -89,13 +90,14 @@ class RunLock:
         return self
 
     def release(self) -> None:
-        """Let go; a directory this run created and left empty of outputs is removed again."""
+        """Let go (the lock file removed while still held: a waiting run retries on the new
+        one); a directory this run created and wrote nothing into is removed again."""
         if self.fd is None:
             return
         with contextlib.suppress(OSError):
-            if self.created and {p.name for p in self.run_dir.iterdir()} <= set(BOOKKEEPING):
-                for name in BOOKKEEPING:
-                    (self.run_dir / name).unlink(missing_ok=True)
+            (self.run_dir / LOCK).unlink()
+            if self.created and {p.name for p in self.run_dir.iterdir()} <= {RECORD}:
+                (self.run_dir / RECORD).unlink(missing_ok=True)
                 self.run_dir.rmdir()
         os.close(self.fd)
         self.fd = None
