@@ -18,7 +18,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["OutputsError", "claim_outputs", "owners", "record_outputs", "seal_outputs"]
+__all__ = ["OutputsError", "claim_outputs", "forget_outputs", "owners", "record_outputs",
+           "seal_outputs"]
 
 RECORD = ".pufferfish-outputs.json"
 TRAIN = "train"  # the command whose directory is a run's: no other command writes into it
@@ -113,6 +114,22 @@ def record_outputs(out_dir: str | Path, command: str, names: Iterable[str]) -> N
     if new:
         record.update(new)
         _write_record(out, record)
+
+
+def forget_outputs(out_dir: str | Path, command: str, names: Iterable[str]) -> None:
+    """Drop ``command``'s ``names`` from the record (never written after all); a record left
+    empty is removed."""
+    out = Path(out_dir)
+    record = _record(out)
+    gone = [n for n in names if record.get(n, {}).get("by") == command]
+    if not gone:
+        return
+    for name in gone:
+        del record[name]
+    if record:
+        _write_record(out, record)
+    else:
+        (out / RECORD).unlink(missing_ok=True)
 
 
 def seal_outputs(out_dir: str | Path, command: str, names: Iterable[str]) -> None:

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 from ..config import ConfigError
-from ..outputs import RECORD, owners, record_outputs
+from ..outputs import RECORD, forget_outputs, owners, record_outputs
 from . import checkpoint as ckpt
 from .board import BOARD_SUBDIR
 
@@ -96,11 +96,20 @@ class RunLock:
             return
         with contextlib.suppress(OSError):
             (self.run_dir / LOCK).unlink()
-            if self.created and {p.name for p in self.run_dir.iterdir()} <= {RECORD}:
-                (self.run_dir / RECORD).unlink(missing_ok=True)
+            _forget_unwritten(self.run_dir)
+            if self.created and not any(self.run_dir.iterdir()):
                 self.run_dir.rmdir()
         os.close(self.fd)
         self.fd = None
+
+
+def _forget_unwritten(run_dir: Path) -> None:
+    """The record keeps only names this run (or an earlier one) wrote: one that failed before
+    writing leaves the user's directory as it found it."""
+    names = _recorded(run_dir)
+    if names:
+        written = {p.relative_to(run_dir).parts[0] for p in run_files(run_dir, temps=True)}
+        forget_outputs(run_dir, COMMAND, sorted(names - written))
 
 
 def _same_file(fd: int, path: Path) -> bool:
