@@ -119,24 +119,25 @@ def test_resume_reads_config_like_flags_and_never_goes_back_in_epochs(
         done: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = Path(shutil.copytree(done, tmp_path / "run"))
     before = files_with_digests(run)
-    lr = tmp_path / "lr.toml"
-    lr.write_text("lr = 0.05\n")
-    code, _, err = cli(["train", "--config", str(lr), "--resume", str(run)], capsys)
-    assert code == 2 and "lr: checkpoint has" in err and "this run has 0.05" in err, err
+    wider = tmp_path / "wider.toml"  # what defines the run: refused, as the flag is
+    wider.write_text("width = 0.25\n")
+    code, _, err = cli(["train", "--config", str(wider), "--resume", str(run)], capsys)
+    assert code == 2 and "width: checkpoint has 0.125, this run has 0.25" in err, err
     assert files_with_digests(run) == before
     # Fewer epochs than done: refused, config.toml untouched.
     code, _, err = cli(["train", "--resume", str(run), "--epochs", "1"], capsys)
     assert code == 2 and err == (
         f"pufferfish: error: --epochs 1 is fewer than --resume {run} has trained (2 epochs, "
-        f"{run / 'checkpoints' / 'ckpt-000000004.pt'}); nothing was changed: allowed >= 2\n")
+        f"{run / 'checkpoints' / 'ckpt-000000004.pt'}); nothing was changed: allowed epochs >= 2\n")
     assert files_with_digests(run) == before
     # What a resume may change, from the file: applied.
     more = tmp_path / "more.toml"
-    more.write_text("epochs = 3\n")
+    more.write_text("epochs = 3\nlr = 0.05\n")
     code, _, err = cli(["train", "--config", str(more), "--resume", str(run)], capsys)
     assert code == 0, err
     assert [r["epoch"] for r in metrics(run)] == [1, 2, 3]
-    assert tomllib.loads((run / "config.toml").read_text())["epochs"] == 3
+    saved = tomllib.loads((run / "config.toml").read_text())
+    assert (saved["epochs"], saved["lr"]) == (3, 0.05)
 
 
 @needs_fashion
@@ -172,10 +173,10 @@ def _default_sigint() -> None:
 
 
 @needs_fashion
-@pytest.mark.parametrize("step", [1, 3])
+@pytest.mark.parametrize("step", [0, 3])
 def test_ctrl_c_says_how_to_continue(tmp_path: Path, step: int) -> None:
-    """SIGINT before step 3 (checkpoints after every step): the command that continues the run,
-    which does; before step 1: that there is nothing to continue, and report says why."""
+    """SIGINT after step 3 (checkpoints after every step): the command that continues the run,
+    which does; before the first step: that there is nothing to continue, and report says why."""
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PUFFERFISH_KILL_AT_STEP": str(step),
            "PUFFERFISH_KILL_SIGNAL": "INT", "PUFFERFISH_KILL_MARKER": str(tmp_path / "hit")}
@@ -185,7 +186,7 @@ def test_ctrl_c_says_how_to_continue(tmp_path: Path, step: int) -> None:
         text=True, timeout=300, preexec_fn=_default_sigint)
     assert stopped.returncode == 130, stopped.stderr[-2000:]
     last = stopped.stderr.strip().splitlines()[-1]
-    if step == 1:
+    if step == 0:
         assert last == (f"pufferfish: interrupted; no checkpoint in {out} yet: start it again "
                         f"with the same command and --out {out} --overwrite")
         report = run_cli("report", str(out))
