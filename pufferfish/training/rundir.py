@@ -89,14 +89,17 @@ class RunLock:
         self.fd = fd
         return self
 
-    def release(self) -> None:
+    def release(self, refused: bool = False) -> None:
         """Let go (the lock file removed while still held: a waiting run retries on the new
-        one); a directory this run created and wrote nothing into is removed again."""
+        one). Unless the run was ``refused`` (which leaves the record as it was), names it
+        recorded but never wrote are forgotten; a directory it created and wrote nothing into
+        is removed again."""
         if self.fd is None:
             return
         with contextlib.suppress(OSError):
             (self.run_dir / LOCK).unlink()
-            _forget_unwritten(self.run_dir)
+            if not refused:
+                _forget_unwritten(self.run_dir)
             if self.created and not any(self.run_dir.iterdir()):
                 self.run_dir.rmdir()
         os.close(self.fd)

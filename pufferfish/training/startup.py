@@ -171,7 +171,7 @@ def find_resume_point(cfg: TrainConfig, env: DistEnv, run_dir: Path,
             outcome = e
         if lock is not None:
             if hold is None or isinstance(outcome, BaseException):
-                lock.release()
+                lock.release(refused=isinstance(outcome, BaseException))
             else:
                 hold.callback(lock.release)
     outcome = dist_env.broadcast_object(outcome, env)
