@@ -169,6 +169,10 @@ def find_resume_point(cfg: TrainConfig, env: DistEnv, run_dir: Path,
             outcome = None if found is None else str(found[1])
         except (ConfigError, ckpt.CheckpointError, OSError) as e:
             outcome = e
+        except BaseException:  # a bug or Ctrl-C: the directory is let go as it was
+            if lock is not None:
+                lock.release(refused=True)
+            raise
         if lock is not None:
             if hold is None or isinstance(outcome, BaseException):
                 lock.release(refused=isinstance(outcome, BaseException))
