@@ -7,7 +7,9 @@ command's ``report.md``, the user's own file), or that was changed since that co
 ``.pufferfish-outputs.json`` in the directory: ``{name: {"by": command, "sha256": digest}}``
 (the digest once :func:`seal_outputs` has seen the file written; older records: ``{name:
 command}``). Running the same command again into its own directory replaces its own unchanged
-outputs, as a report refreshes.
+outputs, as a report refreshes. ``train`` records its run directory's files here too
+(:func:`record_outputs`; ``training/rundir.py`` decides by it what an earlier run is), and no
+other command writes into a directory so recorded.
 """
 
 from __future__ import annotations
