@@ -25,7 +25,14 @@ from .baselines.compare import compare
 from .bench.runner import add_arguments as add_bench_arguments
 from .bench.runner import run_from_args
 from .config import ConfigError, choices
-from .configfile import FIELDS, field_description, field_kind, load_config, shipped_configs
+from .configfile import (
+    FIELDS,
+    field_description,
+    field_kind,
+    load_config,
+    read_config_file,
+    shipped_configs,
+)
 from .data import DataError
 from .distributed.env import idle_cpus
 from .formatting import one_line
@@ -114,8 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("missing COMMAND (train, factorize, report, ...); see pufferfish --help")
     try:
         return int(args.run(args) or 0)
-    except KeyboardInterrupt:
-        print("pufferfish: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a run's says how to continue it (training.guards.Interrupted)
+        print(f"pufferfish: interrupted{f'; {e}' if str(e) else ''}", file=sys.stderr)
         return 130
     except Exception as e:
         if getattr(args, "debug", False):
@@ -303,6 +310,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if not saved.exists():
             raise ConfigError(f"--resume {overrides['resume']!r}: no config.toml there, not a run "
                               "directory")
+        if args.config:  # read and checked like flags (a flag given too wins)
+            overrides = {**read_config_file(args.config, skip=overrides), **overrides}
         overrides.setdefault("out", overrides["resume"])
         cfg = load_run_config(saved, overrides)
     else:

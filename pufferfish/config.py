@@ -454,7 +454,7 @@ class TrainConfig:
         return self.model in ("lstm", "transformer", "llama")
 
     def run_dir(self) -> Path:
-        """``out``, or a fresh directory for this run, so that two runs never share one:
+        """``out``, or the name of a fresh directory for this run, so that two runs never share one:
         ``runs/<model>-<mode>-<date>-<time>``, or under torchrun ``...-<its run id>``, the same
         for every rank and every restart of the launch (so a restart resumes it)."""
         if self.out:
@@ -465,12 +465,9 @@ class TrainConfig:
         if self.resume == "auto":
             raise ConfigError("resume 'auto' continues the run in --out: allowed with --out "
                               "(without it every run gets a fresh directory)")
-        base = f"runs/{self.model}-{self.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
-        path, n = Path(base), 1
-        while path.exists():
-            n += 1
-            path = Path(f"{base}-{n}")
-        return path
+        # The name only: the run makes it with one atomic mkdir, or the next free -N
+        # (training/rundir.py: two runs started in the same second get one each).
+        return Path(f"runs/{self.model}-{self.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

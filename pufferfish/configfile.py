@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -16,9 +17,12 @@ from .config import HOOK_OPTIONS, MODEL_DEFAULTS, ConfigError, TrainConfig
 from .fieldhelp import field_help
 
 __all__ = ["FIELDS", "SHIPPED", "coerce", "coerce_scalar", "config_path", "dump_toml",
-           "field_description", "field_kind", "list_item_kind", "load_config", "shipped_configs"]
+           "field_description", "field_kind", "list_item_kind", "load_config", "read_config_file",
+           "shipped_configs"]
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# Fields that name a file or directory: a TOML number there (``out = 5``) is a mistake, not a path.
+PATH_FIELDS = ("out", "resume", "data_dir", "data")
 
 
 def field_description(name: str) -> str:
@@ -80,6 +84,9 @@ def coerce_scalar(name: str, value: Any, kind: type) -> Any:
     elif kind is str:
         if isinstance(value, str):
             return value
+        if name in PATH_FIELDS:
+            raise ConfigError(f"{name} {value!r} is invalid: allowed a string (a path; in TOML "
+                              f"quoted: {name} = \"{value}\")")
         if isinstance(value, int | float) and not isinstance(value, bool):
             return str(value)
     raise ConfigError(f"{name} {value!r} is invalid: allowed a {kind.__name__}")
@@ -107,21 +114,35 @@ def config_path(path: str | Path) -> Path:
                       f"name of a shipped config: {', '.join(shipped)}")
 
 
+def read_config_file(path: str | Path, skip: Iterable[str] = ()) -> dict[str, Any]:
+    """The values of the TOML file at ``path`` (or the shipped config it names), each checked
+    for its key; an error names the file. A key in ``skip`` (a flag overrides it) must be a
+    field, but its value is not read: the flag's is the one used."""
+    path = config_path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    skip = set(skip)
+    values: dict[str, Any] = {}
+    try:
+        for key, value in raw.items():
+            if key in skip and key in FIELDS:
+                continue
+            values[key] = coerce(key, value)
+    except ConfigError as e:
+        raise ConfigError(f"config file {str(path)!r}: {e}") from None
+    return values
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Defaults, then the TOML file at ``path`` (or the shipped config it names), then
     ``overrides`` (e.g. from flags)."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = config_path(path)
-        try:
-            raw = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {str(path)!r} does not exist") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
-        for key, value in raw.items():
-            values[key] = coerce(key, value)
-    for key, value in (overrides or {}).items():
+    overrides = overrides or {}
+    values = {} if path is None else read_config_file(path, skip=overrides)
+    for key, value in overrides.items():
         values[key] = coerce(key, value)
     model = values.get("model", FIELDS["model"].default)
     for key, value in MODEL_DEFAULTS.get(model, {}).items():

@@ -7,7 +7,9 @@ command's ``report.md``, the user's own file), or that was changed since that co
 ``.pufferfish-outputs.json`` in the directory: ``{name: {"by": command, "sha256": digest}}``
 (the digest once :func:`seal_outputs` has seen the file written; older records: ``{name:
 command}``). Running the same command again into its own directory replaces its own unchanged
-outputs, as a report refreshes.
+outputs, as a report refreshes. ``train`` records its run directory's files here too
+(:func:`record_outputs`; ``training/rundir.py`` decides by it what an earlier run is), and no
+other command writes into a directory so recorded.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["OutputsError", "claim_outputs", "owners", "seal_outputs"]
+__all__ = ["OutputsError", "claim_outputs", "forget_outputs", "owners", "record_outputs",
+           "seal_outputs"]
 
 RECORD = ".pufferfish-outputs.json"
+TRAIN = "train"  # the command whose directory is a run's: no other command writes into it
 
 
 class OutputsError(ValueError):
@@ -81,6 +85,11 @@ def claim_outputs(out_dir: str | Path, command: str, names: Iterable[str],
         raise OutputsError(f"--out {str(out)!r} is a file: allowed a directory")
     names = list(names)
     record = _record(out)
+    if command != TRAIN and _is_training_run(out, record):
+        raise OutputsError(
+            f"--out {str(out)!r} is a training run's directory (`pufferfish train` wrote it), "
+            f"which `pufferfish {command}` does not write into: allowed another --out, e.g. "
+            f"{str(out / command)!r}")
     taken = [why for n in names if (why := _why_taken(out, n, record.get(n), command))]
     if taken and not overwrite:
         raise OutputsError(
@@ -89,6 +98,40 @@ def claim_outputs(out_dir: str | Path, command: str, names: Iterable[str],
     out.mkdir(parents=True, exist_ok=True)
     record.update({n: {"by": command} for n in names})
     _write_record(out, record)
+
+
+def _is_training_run(out: Path, record: dict[str, dict[str, str]]) -> bool:
+    """By the record; a run of the days before it by its config.toml and metrics.jsonl."""
+    if any(entry["by"] == TRAIN for entry in record.values()):
+        return True
+    return (out / "config.toml").is_file() and (out / "metrics.jsonl").is_file()
+
+
+def record_outputs(out_dir: str | Path, command: str, names: Iterable[str]) -> None:
+    """Record ``names`` of ``out_dir`` as ``command``'s, unchecked (the caller has checked):
+    ``pufferfish train`` notes what it is about to write into its run directory."""
+    out = Path(out_dir)
+    record = _record(out)
+    new = {n: {"by": command} for n in names if record.get(n, {}).get("by") != command}
+    if new:
+        record.update(new)
+        _write_record(out, record)
+
+
+def forget_outputs(out_dir: str | Path, command: str, names: Iterable[str]) -> None:
+    """Drop ``command``'s ``names`` from the record (never written after all); a record left
+    empty is removed."""
+    out = Path(out_dir)
+    record = _record(out)
+    gone = [n for n in names if record.get(n, {}).get("by") == command]
+    if not gone:
+        return
+    for name in gone:
+        del record[name]
+    if record:
+        _write_record(out, record)
+    else:
+        (out / RECORD).unlink(missing_ok=True)
 
 
 def seal_outputs(out_dir: str | Path, command: str, names: Iterable[str]) -> None:

@@ -185,6 +185,7 @@ class Recipe:
         re-wrapped at the switch. The first call checks keep patterns and preset against
         ``model``; with automatic choices, epoch 0 records the stable ranks at initialization.
         """
+        _check_optimizer(optimizer, model)
         if self.should_switch(epoch, model):
             return self.switch(epoch, model, optimizer, scheduler)
         if self.detector is not None and epoch == 0:
@@ -251,6 +252,18 @@ class Recipe:
             if self.on_wrap is not None:
                 self.on_wrap(model)
         return model, optimizer, scheduler
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> None:
+    """An optimizer over none of ``model``'s parameters (another model's, a copy's) would be
+    edited at the switch to no effect, and then nothing trains: refused in one line."""
+    if optimizer is None:
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if held and not any(id(p) in held for p in _unwrap(model).parameters()):
+        raise ValueError(f"optimizer {type(optimizer).__name__} holds none of the model's "
+                         f"parameters ({len(held)} others): allowed an optimizer built over "
+                         "this model's parameters (model.parameters())")
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ from test_training import TINY, metrics, needs_fashion
 from pufferfish.cli import _parser
 from pufferfish.config import TrainConfig
 from pufferfish.distributed.env import DistEnv
+from pufferfish.outputs import RECORD
 from pufferfish.training.build import write_config
+from pufferfish.training.rundir import record_run
 from pufferfish.training.startup import _remove, run_files
 
 
@@ -121,6 +123,8 @@ def test_overwrite_removes_the_event_files_too(tmp_path: Path) -> None:
     events = tmp_path / "tb" / "events.out.tfevents.1.host.1.0"
     events.write_bytes(b"x")
     (tmp_path / "config.toml").write_text("")
+    assert run_files(tmp_path) == []  # named like a run's, but no run's by the record
+    record_run(tmp_path)
     assert run_files(tmp_path) == [tmp_path / "config.toml", events]  # an earlier run's
     _remove(tmp_path, run_files(tmp_path))
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [RECORD]

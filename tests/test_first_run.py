@@ -10,6 +10,7 @@ from test_training import TINY, metrics, needs_fashion, run_cli
 
 from pufferfish.config import ConfigError, TrainConfig
 from pufferfish.configfile import load_config
+from pufferfish.training.rundir import make_fresh
 
 
 @pytest.mark.parametrize(("epochs", "pct", "switch"), [
@@ -31,10 +32,10 @@ def test_fresh_default_directories(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     cfg = TrainConfig(epochs=2)
-    first = cfg.run_dir()
+    first = make_fresh(cfg.run_dir())  # the name, made by one atomic mkdir
     assert first.parent == Path("runs") and first.name.startswith("resnet18-pufferfish-")
-    first.mkdir(parents=True)
-    assert cfg.run_dir() not in (first, Path("runs/resnet18-pufferfish"))  # never the same twice
+    assert make_fresh(first) == Path(f"{first}-2")  # never the same twice
+    assert make_fresh(cfg.run_dir()) not in (first, Path("runs/resnet18-pufferfish"))
     assert TrainConfig(out="mine").run_dir() == Path("mine")
     # torchrun: the launch's run id, the same for every rank and every restart
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "d88791df-8096-4055-9e5a-c9ef69f32277")

@@ -30,6 +30,7 @@ from pufferfish.config import TrainConfig
 from pufferfish.configfile import dump_toml
 from pufferfish.training import checkpoint as ck
 from pufferfish.training.checkpoint import latest_checkpoint, save_checkpoint
+from pufferfish.training.rundir import record_run
 
 SMALL = ["--model", "resnet18", "--width", "0.125", "--test-subset", "64", "--batch-size", "32",
          "--threads", "1", "--no-progress"]
@@ -536,6 +537,15 @@ def test_a_fork_into_another_run_refuses_unless_overwrite(
     (target / "metrics.jsonl").write_text("{}\n")
     before = files_with_digests(tmp_path)
     fork = ["train", "--resume", str(source), "--out", str(target), "--epochs", "3"]
+    # Named like a run's files, but no run wrote them (by the outputs record): the user's, which
+    # no flag removes.
+    for extra in ([], ["--overwrite"]):
+        code, _, err = cli([*fork, *extra], capsys)
+        assert code == 2 and f"--out {target} holds config.toml, metrics.jsonl, which " \
+            "`pufferfish train` did not write" in err, err
+        assert files_with_digests(tmp_path) == before
+    record_run(target)  # now they are a run's (one stopped before its first checkpoint)
+    before = files_with_digests(tmp_path)
     code, _, err = cli(fork, capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"--out {target} holds another run (config.toml, metrics.jsonl); nothing was " \

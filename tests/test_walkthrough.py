@@ -16,6 +16,7 @@ from pufferfish.configfile import dump_toml, load_config
 from pufferfish.lowrank import svd_split
 from pufferfish.outputs import RECORD, owners
 from pufferfish.training.metrics import MetricsWriter
+from pufferfish.training.rundir import record_run
 
 
 def _run(path: Path, rows: list[dict[str, object]], **cfg: object) -> Path:
@@ -200,6 +201,7 @@ def test_a_run_without_a_checkpoint_is_refused_with_the_step_that_works(
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.toml").write_text(dump_toml(load_config(None, {"out": str(run)})))
+    record_run(run)  # a run's config.toml by the outputs record, as the run wrote it
     assert main(["train", "--epochs", "1", "--out", str(run)]) == 2
     err = _error(capsys)
     assert "stopped before its first checkpoint (config.toml)" in err

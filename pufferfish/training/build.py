@@ -30,6 +30,7 @@ from . import startup
 from .guards import write_text
 from .methods import Change, Method
 from .run import Run
+from .rundir import record_run
 from .tasks import Task, steps_per_epoch
 
 # What a resume may not change about the synchronization (the checkpoint's layout depends on it).
@@ -216,6 +217,7 @@ def _record_change(env: DistEnv, run: Run, run_dir: Path) -> None:
     write_text(run_dir / "buckets.json", json.dumps(decisions, indent=1))
     if run.change is not None:
         change = run.change
+        record_run(run_dir, [f"{change.name}.txt", f"{change.name}.json"])
         text = change.text + ("\n" + run.buckets.describe() if decisions else "")
         write_text(run_dir / f"{change.name}.txt", text + "\n")
         write_text(run_dir / f"{change.name}.json", json.dumps(

@@ -38,6 +38,11 @@ class PeerError(RuntimeError):
     """
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during a run; the message says how to continue it (or that nothing is
+    saved yet to continue from)."""
+
+
 _PEER_FAILURE = re.compile(r"Connection (closed|reset)|[Tt]imed out|timeout|Broken pipe|"
                            r"[Ss]ocket|peer|[Gg]loo|NCCL|[Ww]atchdog")
 

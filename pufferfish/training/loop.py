@@ -53,7 +53,7 @@ from ..distributed import fsdp
 from ..distributed.buckets import BucketTuner
 from ..distributed.env import DistEnv
 from . import checkpoint as ckpt
-from . import faults, optim, startup, tasks
+from . import faults, optim, rundir, startup, tasks
 from .board import open_board, summary_writer
 from .budget import resolve_token_budget
 from .build import (
@@ -68,6 +68,7 @@ from .build import (
 )
 from .checkpointing import checkpoint
 from .guards import (
+    Interrupted,
     PeerError,
     TrainingError,
     gloo_text,
@@ -152,15 +153,52 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     startup.check_config_agrees(cfg, env)
     if cfg.logger == "tensorboard":
         summary_writer()  # the package is there: else refused on every rank, nothing written
-    if not cfg.out:  # a fresh directory: rank 0's name (clocks can tick between ranks)
-        run_dir = Path(dist_env.broadcast_object(str(run_dir), env))
+    created = False
+    if not cfg.out:  # a fresh directory: rank 0's (clocks can tick between ranks)
+        run_dir, created = _fresh_run_dir(env, run_dir), env.is_main
         cfg = dataclasses.replace(cfg, out=str(run_dir))
         dist_env.say(env, f"run directory: {run_dir} (--out to choose it)")
-    # Before anything is written or loaded: rank 0 decides what happens to the run directory
-    # (resume, start, or refuse) and every rank learns it.
-    resumed = startup.find_resume_point(cfg, env, run_dir,
-                                        (*tasks.run_fields(cfg), *optim.RUN_FIELDS, *method.run_fields,
-                                         *SYNC_FIELDS))
+    try:
+        with contextlib.ExitStack() as hold:  # rank 0's lock on the run directory
+            return _run(cfg, env, method, run_dir, hold, created)
+    except KeyboardInterrupt as e:
+        if isinstance(e, Interrupted):
+            raise
+        raise Interrupted(_how_to_continue(env, run_dir)) from e
+
+
+def _fresh_run_dir(env: DistEnv, name: Path) -> Path:
+    """The default run directory, made by rank 0 with one atomic mkdir (:func:`rundir.make_fresh`)
+    and broadcast; under torchrun the launch's own name, the same for its restarts."""
+    made: Any = None
+    if env.is_main:
+        try:
+            made = str(name if os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none"
+                       else rundir.make_fresh(name))
+        except (ConfigError, OSError) as e:
+            made = e
+    made = dist_env.broadcast_object(made, env)
+    if isinstance(made, BaseException):
+        raise made
+    return Path(made)
+
+
+def _how_to_continue(env: DistEnv, run_dir: Path) -> str:
+    """What Ctrl-C says: the command that continues the run, or that there is nothing yet."""
+    again = " (under torchrun, as before)" if env.distributed else ""
+    if ckpt.checkpoint_files(run_dir):
+        return f"continue with: pufferfish train --resume {run_dir}{again}"
+    return (f"no checkpoint in {run_dir} yet: start it again with the same command and "
+            f"--out {run_dir} --overwrite{again}")
+
+
+def _run(cfg: TrainConfig, env: DistEnv, method: Method, run_dir: Path,
+         hold: contextlib.ExitStack, created: bool) -> list[dict[str, Any]]:
+    """The run in ``run_dir``: resume point, components, the epochs, the final table."""
+    resumed = startup.find_resume_point(
+        cfg, env, run_dir, (*tasks.run_fields(cfg), *optim.RUN_FIELDS, *method.run_fields,
+                            *SYNC_FIELDS),
+        hold=hold, total_epochs=method.total_epochs(cfg), created=created)
     if resumed is None:  # a resumed run has its switch point already (and may be past it)
         _say_warmup(cfg, env)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank

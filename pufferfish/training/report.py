@@ -25,6 +25,10 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist: allowed the "
                                 "--out directory of a `pufferfish train` run")
+    if not (run_dir / "metrics.jsonl").is_file() and (run_dir / "config.toml").is_file():
+        raise FileNotFoundError(f"run directory {str(run_dir)!r} has no finished epoch: the run "
+                                "stopped before its first epoch ended (config.toml, no "
+                                "metrics.jsonl); nothing to report")
     if not (run_dir / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"run directory {str(run_dir)!r} has no metrics.jsonl: not a "
                                 "`pufferfish train` run directory")

@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 import tomllib
@@ -29,7 +28,9 @@ from ..configfile import load_config
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 from . import checkpoint as ckpt
+from . import rundir
 from .board import BOARD_SUBDIR
+from .rundir import run_files
 from .tasks import LEGACY_RUN_VALUES, Task
 
 # Fields that may legitimately differ between ranks: node-local paths, per-process CPU threads,
@@ -132,7 +133,9 @@ def _restart_count() -> int:
 
 
 def find_resume_point(cfg: TrainConfig, env: DistEnv, run_dir: Path,
-                      run_fields: tuple[str, ...]) -> tuple[dict[str, Any], Path] | None:
+                      run_fields: tuple[str, ...], *, hold: contextlib.ExitStack | None = None,
+                      total_epochs: int | None = None,
+                      created: bool = False) -> tuple[dict[str, Any], Path] | None:
     """The checkpoint to continue from, or None for a fresh start. Rank 0 decides, all learn it.
 
     * ``--resume DIR``: the newest checkpoint of DIR that verifies; flags may change what does not
@@ -150,16 +153,31 @@ def find_resume_point(cfg: TrainConfig, env: DistEnv, run_dir: Path,
     fresh start or a fork into a directory that holds an earlier run refuses unless
     ``--overwrite`` is given, which removes that run's files (:func:`run_files`) and says which.
     Rank 0 checks everything before it changes anything, and broadcasts the outcome (or the
-    error): every rank resumes the same checkpoint or stops with the same message.
+    error): every rank resumes the same checkpoint or stops with the same message. Rank 0 first
+    locks ``run_dir`` (:mod:`.rundir`: another run writing there is refused, naming its pid) and
+    holds the lock until ``hold`` closes (without ``hold``: for the decision only); a directory
+    it ``created`` (a fresh default one) that the run leaves empty is removed. A checkpoint
+    further on than ``total_epochs`` (the epochs the run now trains) is refused.
     """
     outcome: Any = None
     found = None
     if env.is_main:
+        lock = None
         try:
-            found = _decide(cfg, env, run_dir, run_fields)
+            lock = rundir.lock_run_dir(run_dir, created)
+            found = _decide(cfg, env, run_dir, run_fields, total_epochs)
             outcome = None if found is None else str(found[1])
         except (ConfigError, ckpt.CheckpointError, OSError) as e:
             outcome = e
+        except BaseException:  # a bug or Ctrl-C: the directory is let go as it was
+            if lock is not None:
+                lock.release(refused=True)
+            raise
+        if lock is not None:
+            if hold is None or isinstance(outcome, BaseException):
+                lock.release(refused=isinstance(outcome, BaseException))
+            else:
+                hold.callback(lock.release)
     outcome = dist_env.broadcast_object(outcome, env)
     if isinstance(outcome, BaseException):
         raise outcome
@@ -180,8 +198,8 @@ class _Look:
     required: bool = False  # no checkpoint at all is an error, not a fresh start
 
 
-def _decide(cfg: TrainConfig, env: DistEnv, run_dir: Path,
-            run_fields: tuple[str, ...]) -> tuple[dict[str, Any], Path] | None:
+def _decide(cfg: TrainConfig, env: DistEnv, run_dir: Path, run_fields: tuple[str, ...],
+            total_epochs: int | None = None) -> tuple[dict[str, Any], Path] | None:
     """Rank 0's decision (:func:`find_resume_point`): every check first, then the changes."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"out {str(run_dir)!r} is a file: allowed a directory (the run's)")
@@ -220,6 +238,7 @@ def _decide(cfg: TrainConfig, env: DistEnv, run_dir: Path,
             "them away (or use --overwrite without --resume, which deletes them)")
     if look is not None and found is not None:
         _check_same_run(found, cfg, look, run_dir, env.world_size, run_fields)
+        _check_not_past(found, cfg, look, total_epochs)
     in_place = look is not None and found is not None \
         and look.directory.resolve() == run_dir.resolve()
     removable = [] if in_place else _claim(cfg, run_dir, looks[0].how if looks else "",
@@ -227,6 +246,7 @@ def _decide(cfg: TrainConfig, env: DistEnv, run_dir: Path,
     # Every check passed: now change the directory.
     if removable:
         _remove(run_dir, removable)
+    rundir.record_run(run_dir)  # what this run writes is its own from now on
     if rejected:
         _skipped(env, rejected, found[1], set_aside=in_place)  # type: ignore[index]
     if found is None:
@@ -243,6 +263,20 @@ def _default(name: str) -> Any:
     if spec is None:
         return None
     return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default  # type: ignore[misc]
+
+
+def _check_not_past(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: _Look,
+                    total_epochs: int | None) -> None:
+    """A resume to fewer epochs than the checkpoint has trained would train nothing (and
+    record the smaller number as the run's): refused, naming both."""
+    progress = found[0].get("progress") or {}
+    epoch, step = int(progress.get("epoch", 0)), int(progress.get("step_in_epoch", 0))
+    if total_epochs is None or total_epochs >= epoch + (1 if step else 0):
+        return
+    done = f"{epoch} epoch{'s' * (epoch != 1)}" + (f" and {step} steps" if step else "")
+    at_least = epoch + (1 if step else 0) + cfg.epochs - total_epochs
+    raise ConfigError(f"epochs {cfg.epochs} is fewer than {look.how} has trained ({done}, "
+                      f"{found[1]}); nothing was changed: allowed epochs >= {at_least}")
 
 
 def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: _Look,
@@ -278,38 +312,18 @@ def _check_same_run(found: tuple[dict[str, Any], Path], cfg: TrainConfig, look: 
 
 # -- the run directory ---------------------------------------------------------------------------
 
-# The files a run writes into its directory besides its checkpoints (build.py: config and the
-# bucket choices, metrics.py, and the
-# methods' change records: factorization, prune-round-N, channel-pruning), and board.py's event
-# files in tb/ (--logger tensorboard). They make a directory
-# "an earlier run", and they and the checkpoint files are all that --overwrite removes.
-_RUN_FILE = r"(config\.toml|buckets\.json|metrics\.(jsonl|csv)|evals\.jsonl|(factorization|channel-pruning|prune-round-\d+)\.(txt|json))"
-_RUN_FILE_RE = re.compile(rf"^{_RUN_FILE}$")
-# Their temp files, left by a kill during a write (checkpoint.atomic_write's, and the
-# ``<name>.tmp`` of runs written before every write went through it).
-_RUN_TEMP_RE = re.compile(rf"^({_RUN_FILE}\.tmp|\.{_RUN_FILE}\.[A-Za-z0-9_-]+\.\d+\.[0-9a-f]+\.tmp)$")
-
-
-def run_files(run_dir: Path, *, temps: bool = False) -> list[Path]:
-    """The files ``pufferfish train`` wrote in ``run_dir``: checkpoints, metrics, config, records.
-
-    With ``temps``, also the temp files of interrupted writes. Never other files, nor the
-    checkpoints set aside in ``checkpoints/rejected/``.
-    """
-    if not run_dir.is_dir():
-        return []
-    own = sorted(p for p in run_dir.iterdir() if p.is_file() and (
-        _RUN_FILE_RE.match(p.name) or (temps and _RUN_TEMP_RE.match(p.name))))
-    board = sorted((run_dir / BOARD_SUBDIR).glob("events.out.tfevents.*"))
-    return own + [p for p in board if p.is_file()] + ckpt.checkpoint_files(run_dir, temps=temps)
-
-
 def _claim(cfg: TrainConfig, run_dir: Path, how: str, own: bool) -> list[Path]:
     """May this run write into ``run_dir``? The files to remove first, or a refusal.
 
     ``own``: on an automatic resume (restart, ``--resume auto``) with no checkpoint, files of this
     very configuration are an earlier attempt of this run, and simply replaced as it runs again.
     """
+    foreign = rundir.foreign_files(run_dir)
+    if foreign:
+        raise ConfigError(
+            f"--out {run_dir} holds {_names(foreign, run_dir)}, which `pufferfish train` did not "
+            f"write (its record, {rundir.RECORD}, does not name them); nothing was changed: "
+            "allowed another --out (--overwrite removes only a run's own files)")
     found = run_files(run_dir)
     if not found:
         return []
@@ -376,7 +390,8 @@ def _remove(run_dir: Path, files: list[Path]) -> None:
     with contextlib.suppress(OSError):  # tb/, if only the event files removed were in it
         (run_dir / BOARD_SUBDIR).rmdir()
     others = sorted(p for p in [*run_dir.iterdir(), *_entries(run_dir / ckpt.CHECKPOINT_SUBDIR)]
-                    if p.name != ckpt.CHECKPOINT_SUBDIR or p.parent != run_dir)
+                    if (p.name != ckpt.CHECKPOINT_SUBDIR or p.parent != run_dir)
+                    and p.name not in rundir.BOOKKEEPING)
     kept = f"; left alone: {_names(others, run_dir)}" if others else ""
     gone = [p for p in files if p not in aside and not (p.suffix == ".json" and any(
         a.with_suffix(".json") == p for a in aside))]
