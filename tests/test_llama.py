@@ -249,6 +249,31 @@ def test_hf_trainer_callback_switches_hf_llama_with_the_paper_preset(tmp_path: P
     assert losses and all(math.isfinite(v) for v in losses)
 
 
+def test_callbacks_and_recipe_by_default_take_the_presets_keep_list_with_its_warm_up() -> None:
+    """A preset found by class name is the model's default everywhere: the callbacks' core
+    and Recipe given no preset keep what ``factorize(preset="paper")`` keeps (lm_head, the
+    first block), not only the preset's warm-up; ``preset=None`` asks for neither."""
+    from pufferfish.integrations.core import TrainerSwitch
+
+    def factorized(**given: object) -> tuple[object, set[str]]:
+        model = tiny_hf_llama()
+        switch = TrainerSwitch(verbose=False, **given)
+        switch.start(model, 0.0, resumed=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        switch.switch(0, 0, model, [optimizer], None)
+        return switch.recipe.warmup_epochs, set(switch.recipe.report.ranks)
+
+    assert factorized() == (0, _expected_factorized("model.", 3))
+    warmup, none = factorized(preset=None)
+    assert warmup == 2 and {"lm_head", "model.layers.0.mlp.up_proj"} <= none
+    model = tiny_hf_llama()
+    recipe = pf.Recipe(warmup_epochs=0)
+    recipe.on_epoch_start(0, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert set(recipe.report.ranks) == _expected_factorized("model.", 3)
+    with pytest.raises(ValueError, match="has no preset 'papr': allowed paper, 'default' or None"):
+        pf.factorize(tiny_hf_llama(), preset="papr")
+
+
 def test_the_llama_preset_sets_the_warm_up_only_where_the_user_did_not() -> None:
     """LLaMA-style decoders train low rank from the start by default (the CLI's --model llama
     too); a warm-up the user gives is kept, and a model without its own keeps the default 2."""
