@@ -415,11 +415,12 @@ class TrainConfig:
 
     def switch_step(self, total_steps: int) -> int | None:
         """The optimizer step before which the switch happens (``warmup_steps``, or
-        :attr:`warmup_share_in_steps`), or None."""
+        :attr:`warmup_share_in_steps`), or None. A fraction of the run is at least one step: a
+        10% warm-up of a 4-step try trains one full-rank step, not none."""
         w = self.warmup_steps or self.warmup_share_in_steps
         if not w:
             return None
-        return round(w * total_steps) if w < 1 else int(w)
+        return max(1, round(w * total_steps)) if w < 1 else int(w)
 
     @property
     def ratio(self) -> float | str:

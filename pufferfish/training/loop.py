@@ -129,14 +129,15 @@ def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]
         dist_env.cleanup(drain=finished)
 
 
-def _say_warmup(cfg: TrainConfig, env: DistEnv) -> None:
-    """What ``--warmup-epochs P%`` comes to in this run, at its start."""
+def _say_warmup(cfg: TrainConfig, env: DistEnv, steps: int) -> None:
+    """What ``--warmup-epochs P%`` comes to in this run (``steps`` per epoch), at its start."""
     if cfg.mode != "pufferfish" or not cfg.warmup_epochs.endswith("%"):
         return
     if cfg.warmup_share_in_steps:
+        at = cfg.switch_step(steps)
         dist_env.say(env, f"warm-up: {cfg.warmup_epochs} of 1 epoch is no whole epoch: full rank "
-                          f"for the first {cfg.warmup_epochs} of its optimizer steps, then the "
-                          "switch (mid-epoch)")
+                          f"for the first {at} of its {steps} optimizer steps, then the switch "
+                          "(mid-epoch)")
         return
     n, epochs = cfg.switch_epoch, cfg.epochs
     dist_env.say(env, f"warm-up: {cfg.warmup_epochs} of {epochs} epoch{'s' * (epochs != 1)} = "
@@ -161,11 +162,11 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     resumed = startup.find_resume_point(cfg, env, run_dir,
                                         (*tasks.run_fields(cfg), *optim.RUN_FIELDS, *method.run_fields,
                                          *SYNC_FIELDS))
-    if resumed is None:  # a resumed run has its switch point already (and may be past it)
-        _say_warmup(cfg, env)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     task = build_task(cfg, env)
     steps = steps_per_epoch(cfg, task)  # optimizer steps; refuses a --grad-accum beyond the data
+    if resumed is None:  # a resumed run has its switch point already (and may be past it)
+        _say_warmup(cfg, env, steps)
     model = task.model.to(env.device)
     method.setup(model, task.example_input(env.device), cfg)
     startup.check_agree(env, "the data or the checkpoint to resume", {
