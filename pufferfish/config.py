@@ -70,10 +70,11 @@ class ConfigError(ValueError):
 @with_option_fields(after="comm", options=HOOK_OPTIONS)
 class TrainConfig:
     # What to train
-    model: str = "resnet18"  # the network: the paper's models (docs/models.md)
+    model: str = "resnet18"  # the network: the paper's models, or llama (pip install 'pufferfish[lm]'); `pufferfish factorize --model NAME` shows one
     width: float = 1.0  # channel multiplier (images) / size multiplier of the paper's dims (LMs)
     data: str = "fashion-mnist"  # fashion-mnist, cifar10, kjv, or a path to a UTF-8 text file
     data_dir: str = ""  # directory of the dataset's files (empty: the dataset's default)
+    cache_dir: str = ""  # derived files (the BPE tokenizer and token streams; empty: $XDG_CACHE_HOME/pufferfish or ~/.cache/pufferfish), never beside your data
     download: bool = False  # fetch missing dataset files from their official URLs
     val_subset: int = 5000  # images: hold out N training images (a fixed draw, the same for every seed and mode) as the validation split choices are made on (0: none)
     train_subset: int = 0  # use only the first N training examples (0: all; images: all not held out by val_subset)
