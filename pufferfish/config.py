@@ -115,7 +115,7 @@ class TrainConfig:
     batch_size: int = 128  # examples per step (per micro-batch with grad_accum), per process
     grad_accum: int = 1  # micro-batches of batch_size per optimizer step (one gradient sync each)
     eval_batch_size: int = 512  # examples per forward pass when testing
-    optimizer: str = "auto"  # sgd, adamw (auto: the model's default in MODEL_DEFAULTS, else sgd)
+    optimizer: str = "auto"  # sgd, adamw (auto: adamw for llama, else sgd)
     lr: float = 0.1  # learning rate (after the LR warm-up; llama: 1e-3)
     momentum: float = 0.9  # SGD momentum (0: none)
     nesterov: bool = False  # Nesterov momentum

@@ -39,8 +39,11 @@ TINY = {
     "bench-reuse": [],
     "factorize": [],
     "report": [],
+    "--help": [],
 }
-NOT_RUN = {"make demo": "the demo itself (11 minutes)", "make test": "the test suite itself"}
+NOT_RUN = {"make demo": "the demo itself (11 minutes)", "make test": "the test suite itself",
+           **{f"pip install {what}": "installing: done by the tests' environment"
+              for what in ("pufferfish", "'pufferfish[lm]'", "'pufferfish[galore]'")}}
 
 
 def python_blocks() -> list[str]:

@@ -141,7 +141,7 @@ def _lm(tmp_path: Path, *extra: str) -> list[str]:
     from test_training import tiny_corpus
 
     return ["train", "--model", "llama", "--width", "0.0625", "--data",
-            str(tiny_corpus(tmp_path)), "--data-dir", str(tmp_path / "cache"), "--vocab-size",
+            str(tiny_corpus(tmp_path)), "--cache-dir", str(tmp_path / "cache"), "--vocab-size",
             "280", "--seq-len", "16", "--batch-size", "4", "--threads", "1", "--no-progress",
             "--out", str(tmp_path / "run"), *extra]
 
@@ -264,12 +264,12 @@ def test_the_warmup_banner(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 # -- 7. compare's LTH bar counts the run's epochs --------------------------------------------------
 
 def test_the_progress_bar_counts_every_epoch_of_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One bar over the run (LTH: every round's epochs), a resumed run's steps already done."""
     from pufferfish.distributed.env import DistEnv
-    from pufferfish.training import loop
-    from pufferfish.training.run import Progress
+    from pufferfish.training import progressbar
 
     seen = []
-    monkeypatch.setattr(loop, "tqdm", lambda **kw: seen.append(kw["desc"]))
+    monkeypatch.setattr(progressbar, "tqdm", lambda **kw: seen.append(kw))
     cfg = load_config(None, {"mode": "lth", "epochs": 2})
-    loop._progress_bar(cfg, DistEnv(), Progress(epoch=13), 10, 6)
-    assert seen == ["epoch 14/6"]
+    progressbar.run_bar(cfg, DistEnv(), 13, 10, 6)  # 6 epochs of 10 steps
+    assert seen[0]["total"] == 60 and seen[0]["initial"] == 13

@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from ..config import ConfigError, TrainConfig
 from ..data import DataError
@@ -78,7 +77,8 @@ from .guards import (
 )
 from .methods import Method, build_method
 from .metrics import MetricsWriter, quality_key, selection_key
-from .run import Progress, Run
+from .progressbar import run_bar
+from .run import Run
 from .schedule import lr_at
 from .step import micro_batch_groups, train_step
 from .tasks import Task, build_task, steps_per_epoch
@@ -197,6 +197,7 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
         writer.close()
     if env.is_main:
         dist_env.say(env, writer.final_table())
+        dist_env.say(env, _headline(writer.rows, run_dir))
     return writer.rows
 
 
@@ -204,28 +205,40 @@ def _epochs(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task
             writer: MetricsWriter) -> None:
     """The epochs that remain: each trained, evaluated, recorded and checkpointed."""
     total = method.total_epochs(cfg)
-    while run.progress.epoch < total:
-        epoch = run.progress.epoch
-        if run.progress.step_in_epoch == 0:
-            _start_epoch(cfg, env, run, method, task, run_dir, writer)
-        row = _train_epoch(cfg, env, run, method, task, run_dir, writer)
-        _fit_batchnorm(cfg, env, run, task)
-        row.update(task.evaluate(run.model, env))
-        if epoch + 1 == total:  # the reported figures (the LM's test split), after the last epoch
-            row.update(task.final_metrics(run.model, env))
-        if run.figures is None:  # recounted only when the method changed the model
-            with _eager():
-                run.figures = method.model_figures(run.model, task.example_input(env.device))
-        row.update(run.figures)
-        row.update(method.on_epoch_end(epoch, run.model))
-        with signals_deferred():
-            writer.write(row, run.progress.global_step)
-        dist_env.say(env, _summary(row, total))
-        run.progress.epoch, run.progress.step_in_epoch = epoch + 1, 0
-        every = cfg.checkpoint_every_epochs  # 0: only the last epoch's
-        if epoch + 1 == total or (every and (epoch + 1) % every == 0):
-            checkpoint(cfg, env, run, method, task, run_dir)
-        note_buckets(env, run, run_dir)
+    run.bar = run_bar(cfg, env, run.progress.global_step, steps_per_epoch(cfg, task), total)
+    try:
+        while run.progress.epoch < total:
+            _run_epoch(cfg, env, run, method, task, run_dir, writer, total)
+    finally:
+        run.bar.close()
+
+
+def _run_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
+               run_dir: Path, writer: MetricsWriter, total: int) -> None:
+    """One epoch of ``total``: trained, evaluated, recorded and checkpointed."""
+    epoch = run.progress.epoch
+    run.bar.set_description(f"epoch {epoch + 1}/{total}")
+    if run.progress.step_in_epoch == 0:
+        _start_epoch(cfg, env, run, method, task, run_dir, writer)
+    row = _train_epoch(cfg, env, run, method, task, run_dir, writer)
+    _fit_batchnorm(cfg, env, run, task)
+    run.bar.set_description(f"epoch {epoch + 1}/{total} evaluating")
+    row.update(task.evaluate(run.model, env))
+    if epoch + 1 == total:  # the reported figures (the LM's test split), after the last epoch
+        row.update(task.final_metrics(run.model, env))
+    if run.figures is None:  # recounted only when the method changed the model
+        with _eager():
+            run.figures = method.model_figures(run.model, task.example_input(env.device))
+    row.update(run.figures)
+    row.update(method.on_epoch_end(epoch, run.model))
+    with signals_deferred():
+        writer.write(row, run.progress.global_step)
+    dist_env.say(env, _summary(row, total))
+    run.progress.epoch, run.progress.step_in_epoch = epoch + 1, 0
+    every = cfg.checkpoint_every_epochs  # 0: only the last epoch's
+    if epoch + 1 == total or (every and (epoch + 1) % every == 0):
+        checkpoint(cfg, env, run, method, task, run_dir)
+    note_buckets(env, run, run_dir)
 
 
 def _start_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
@@ -254,7 +267,7 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
     stats = _comm_stats(run)
     if stats is not None:
         stats.reset()
-    bar = _progress_bar(cfg, env, progress, steps, method.total_epochs(cfg))
+    bar = run.bar
     run.meter.start()
     for i, batches in enumerate(micro_batch_groups(loader, cfg.grad_accum)):
         if i < progress.step_in_epoch:  # resuming mid-epoch: these steps were taken before
@@ -288,7 +301,6 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
                 and progress.step_in_epoch < steps:
             _fit_batchnorm(cfg, env, run, task)
             checkpoint(cfg, env, run, method, task, run_dir)
-    bar.close()
     return _epoch_row(cfg, env, run, method, steps)
 
 
@@ -427,15 +439,6 @@ def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
     return row
 
 
-def _progress_bar(cfg: TrainConfig, env: DistEnv, progress: Progress, steps: int,
-                  epochs: int) -> Any:
-    """The bar of one epoch, ``epoch N/M`` of the whole run (LTH: every round's epochs), as the
-    line after each epoch says."""
-    return tqdm(total=steps, initial=progress.step_in_epoch,
-                desc=f"epoch {progress.epoch + 1}/{epochs}",
-                disable=not (env.is_main and cfg.progress), leave=False, mininterval=1.0)
-
-
 def _eager() -> contextlib.AbstractContextManager:
     """Outside the training step the model runs eagerly under ``--compile``: the switch and the
     figures run it under torch's flop counter, and dynamo skips a frame it met under a dispatch
@@ -456,6 +459,19 @@ def _step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
 
 
 # -- output ------------------------------------------------------------------------------------
+
+def _headline(rows: list[dict[str, Any]], run_dir: Path) -> str:
+    """The run's last line: its result and where everything is."""
+    if not rows:
+        return f"run directory: {run_dir}"
+    row = rows[-1]
+    figures = ", ".join(f"{key} {100 * row[key]:.2f}%" if key.endswith("_acc") else
+                        f"{key} {row[key]:.2f}"
+                        for key in dict.fromkeys((quality_key(row), selection_key(row))))
+    return (f"done: {figures} after {row['epoch']} epoch{'s' * (row['epoch'] != 1)}, "
+            f"{row['params'] / 1e6:.2f}M parameters; run directory: {run_dir} (metrics.jsonl, "
+            "checkpoints/; `pufferfish report` compares runs)")
+
 
 def _summary(row: dict[str, Any], total_epochs: int) -> str:
     quality = " | ".join(f"{key} {100 * row[key]:.2f}%" if key.endswith("_acc") else
