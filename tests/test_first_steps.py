@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_training import needs_fashion
+from test_training import needs_fashion, run_cli
 
 import pufferfish
 from pufferfish.cli import _parser, main
@@ -43,12 +43,11 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.startswith(f"pufferfish {pufferfish.__version__} (torch ")
 
 
-def test_a_bare_train_asks_for_a_choice_in_one_line(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.chdir(tmp_path)
-    assert main(["train"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+def test_a_bare_train_asks_for_a_choice_in_one_line(tmp_path: Path) -> None:
+    """A process with a timeout: were it to start the defaults, it would train for hours."""
+    result = run_cli("train", cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    err = result.stderr.strip().splitlines()
     assert len(err) == 1 and "no --config, --model or --epochs given" in err[0]
     assert "pufferfish train --config resnet18_fashion --epochs 1 --train-subset 512" in err[0]
     assert not (tmp_path / "runs").exists()  # nothing started
