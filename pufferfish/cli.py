@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from . import factorize, models
+from . import __version__, factorize, models
 from .baselines.compare import compare
 from .bench.runner import add_arguments as add_bench_arguments
 from .bench.runner import run_from_args
@@ -40,6 +40,7 @@ from .training.checkpoint import CheckpointError
 from .training.loop import PeerError, TrainingError, train
 from .training.report import compare_runs
 from .training.startup import load_run_config
+from .training.tasks import resolve_short_try
 
 __all__ = ["main"]
 
@@ -172,11 +173,28 @@ CONFIG_HELP = ("TOML file of training options, or a shipped config's name: "
                + ", ".join(shipped_configs()) + "; flags override it")
 
 
+EXAMPLES = """\
+first steps:
+  pufferfish train --config resnet18_fashion --epochs 1 --train-subset 512 --width 0.25
+      a try of a few minutes on a CPU (Fashion-MNIST: the Debian package dataset-fashion-mnist,
+      or add --download); it ends with its result and run directory
+  pufferfish factorize --model resnet18
+      the paper's ResNet-18 factorized: each layer's rank and parameters, no training
+  pufferfish report runs/RUN_A runs/RUN_B
+      runs side by side (each `train` prints its run directory)
+`pufferfish COMMAND --help` lists a command's options; --model llama needs
+pip install 'pufferfish[lm]'."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="pufferfish",
         description="Communication-efficient distributed training with pre-factorized low-rank "
-                    "networks (Pufferfish, MLSys 2021).")
+                    "networks (Pufferfish, MLSys 2021).",
+        epilog=EXAMPLES, formatter_class=_ExamplesFormatter)
+    parser.add_argument("--version", action="version",
+                        version=f"pufferfish {__version__} (torch {torch.__version__})",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     train = sub.add_parser("train", help="train a model (one process, or under torchrun: DDP)",
@@ -300,6 +318,10 @@ class _HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown})"
 
 
+class _ExamplesFormatter(_HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The top-level help: its epilog of examples printed as written."""
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {k: getattr(args, k) for k in FIELDS
                                  if getattr(args, k, None) is not None}
@@ -315,9 +337,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
         overrides.setdefault("out", overrides["resume"])
         cfg = load_run_config(saved, overrides)
     else:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides)  # a bad value is named first
+        _refuse_bare_train(args.config, overrides)
+        cfg, said = resolve_short_try(cfg, set(overrides))
+        if said and os.environ.get("RANK", "0") == "0":
+            print(said, flush=True)
     train(cfg)
     return 0
+
+
+def _refuse_bare_train(config: str | None, given: dict[str, Any]) -> None:
+    """``pufferfish train`` with neither a config nor a model nor a length: the defaults are
+    hours of full-width ResNet-18 on a CPU, not what a first try means; say so and what to type."""
+    if config or given.keys() & {"model", "epochs", "tokens_per_param", "resume"}:
+        return
+    raise ConfigError("no --config, --model or --epochs given: the defaults train full-width "
+                      "ResNet-18 on all 55,000 Fashion-MNIST training images for 10 epochs "
+                      "(hours on a CPU); choose one, e.g. a try of a few minutes: pufferfish "
+                      "train --config resnet18_fashion --epochs 1 --train-subset 512 --width 0.25")
 
 
 def _cmd_factorize(args: argparse.Namespace) -> int:

@@ -89,10 +89,11 @@ class ConfigError(ValueError):
 @with_option_fields(after="comm", options=HOOK_OPTIONS)
 class TrainConfig:
     # What to train
-    model: str = "resnet18"  # the network: the paper's models (docs/models.md)
+    model: str = "resnet18"  # the network: the paper's models, or llama (pip install 'pufferfish[lm]'); `pufferfish factorize --model NAME` shows one
     width: float = 1.0  # channel multiplier (images) / size multiplier of the paper's dims (LMs)
     data: str = "fashion-mnist"  # fashion-mnist, cifar10, kjv, or a path to a UTF-8 text file
     data_dir: str = ""  # directory of the dataset's files (empty: the dataset's default)
+    cache_dir: str = ""  # derived files (the BPE tokenizer and token streams; empty: $XDG_CACHE_HOME/pufferfish or ~/.cache/pufferfish), never beside your data
     download: bool = False  # fetch missing dataset files from their official URLs
     val_subset: int = 5000  # images: hold out N training images (a fixed draw, the same for every seed and mode) as the validation split choices are made on (0: none)
     train_subset: int = 0  # use only the first N training examples (0: all; images: all not held out by val_subset)
@@ -133,7 +134,7 @@ class TrainConfig:
     batch_size: int = 128  # examples per step (per micro-batch with grad_accum), per process
     grad_accum: int = 1  # micro-batches of batch_size per optimizer step (one gradient sync each)
     eval_batch_size: int = 512  # examples per forward pass when testing
-    optimizer: str = "auto"  # sgd, adamw (auto: the model's default in MODEL_DEFAULTS, else sgd)
+    optimizer: str = "auto"  # sgd, adamw (auto: adamw for llama, else sgd)
     lr: float = 0.1  # learning rate (after the LR warm-up; llama: 1e-2 x 0.125 / width, chosen on validation at width 0.125 only, other widths scaled as 1/width, not measured)
     momentum: float = 0.9  # SGD momentum (0: none)
     nesterov: bool = False  # Nesterov momentum
@@ -434,11 +435,12 @@ class TrainConfig:
 
     def switch_step(self, total_steps: int) -> int | None:
         """The optimizer step before which the switch happens (``warmup_steps``, or
-        :attr:`warmup_share_in_steps`), or None."""
+        :attr:`warmup_share_in_steps`), or None. A fraction of the run is at least one step: a
+        10% warm-up of a 4-step try trains one full-rank step, not none."""
         w = self.warmup_steps or self.warmup_share_in_steps
         if not w:
             return None
-        return round(w * total_steps) if w < 1 else int(w)
+        return max(1, round(w * total_steps)) if w < 1 else int(w)
 
     @property
     def ratio(self) -> float | str:

@@ -82,7 +82,9 @@ class PufferfishMethod(FullRankMethod):
         total = self.cfg.epochs * steps
         at = self._step_switch(steps)
         if at is None or at >= total:
-            raise ConfigError(f"warmup_steps {self.cfg.warmup_steps:g} is invalid with "
+            given = (f"warmup_steps {self.cfg.warmup_steps:g}" if self.cfg.warmup_steps else
+                     f"warmup_epochs {self.cfg.warmup_epochs} (step {at})")
+            raise ConfigError(f"{given} is invalid with "
                               f"{total} optimizer steps in the run: allowed a switch before the "
                               "last step" + (" (under DiLoCo, on an outer step)"
                                              if self.cfg.sync == "diloco" else ""))

@@ -72,6 +72,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .distributed import fsdp
 from .distributed.buckets import AUTO, TORCH, bucket_overrides, parse_bucket_mb
 from .distributed.env import ddp_options, rewrap_ddp
+from .lowrank.presets import DEFAULT_PRESET
 from .switch import FactorizationPlan, Switch, SwitchPolicy, projected_state
 
 __all__ = ["ParameterSwap", "Recipe", "swap_parameters"]
@@ -92,7 +93,9 @@ class Recipe:
         max_rank_ratio: with ``rank_ratio="auto"``, no layer's rank exceeds this fraction of its
             full rank (default 1/4: never larger than the paper's preset); None: no budget.
         keep: glob patterns of layers kept full-rank, or ``"auto"`` (profile; preset still applies).
-        preset: the model's named preset of full-rank layers (``"paper"``), or None.
+        preset: the model's named preset of full-rank layers (``"paper"``), or None; by default
+            ``"paper"`` where the model has it (its own ``PRESETS`` or by class name: HF's
+            ``LlamaForCausalLM``), as ``pufferfish train`` does.
         keep_first: also keep the first K factorizable layers full-rank (hybrid network).
         extra_bn: BatchNorm between the factors of each conv.
         example_input: a batch for the forward-order trace, MAC counts and ``keep="auto"``.
@@ -118,7 +121,7 @@ class Recipe:
         rank_ratio: float | str = 0.25,
         keep: Iterable[str] | str = (),
         max_rank_ratio: float | None = 0.25,
-        preset: str | None = None,
+        preset: str | None = DEFAULT_PRESET,
         keep_first: int = 0,
         extra_bn: bool = False,
         example_input: Any = None,

@@ -41,7 +41,7 @@ from .distributed.env import broadcast_object
 from .lowrank import FactorizationReport, LowRankModule, factorize
 from .lowrank.base import low_rank_class_for_type
 from .lowrank.factorize import factorizable_modules
-from .lowrank.presets import presets_of
+from .lowrank.presets import resolve_preset
 from .lowrank.report import format_table
 
 __all__ = ["FactorizationPlan", "Switch", "SwitchPolicy", "projected_momentum", "projected_state"]
@@ -208,10 +208,7 @@ class FactorizationPlan:
 
     def static_keep(self, model: nn.Module) -> list[str]:
         """The patterns kept full-rank before any measurement: ``keep`` and the preset's."""
-        keep = list(self.keep)
-        if self.preset is not None:
-            keep += presets_of(model).get(self.preset, {}).get("keep", [])
-        return keep
+        return list(self.keep) + resolve_preset(model, self.preset).get("keep", [])
 
     def factorize_kwargs(self, model: nn.Module, tracker: Any = None,
                          unsettled: Iterable[str] = ()) -> dict[str, Any]:

@@ -51,7 +51,7 @@ def test_a_quick_first_try_and_the_same_under_torchrun(tmp_path: Path) -> None:
     # the same directory: each gets its own run directory.
     one = run_cli("train", *TINY, "--epochs", "1", cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-2000:]
-    assert "warm-up: 20% of 1 epoch is no whole epoch: full rank for the first 20% of its " \
+    assert "warm-up: 20% of 1 epoch is no whole epoch: full rank for the first 2 of its 8 " \
            "optimizer steps" in one.stdout
     two = run_cli("train", *TINY, "--epochs", "2", cwd=tmp_path, torchrun=2)
     assert two.returncode == 0, two.stderr[-2000:]

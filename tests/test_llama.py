@@ -131,6 +131,31 @@ def test_bpe_cache_hit_and_new_entries_for_a_changed_setting_or_corpus(
         load_bpe_corpus(str(text), 1000, cache)
 
 
+def test_the_bpe_cache_goes_to_the_cache_dir_never_beside_a_read_only_corpus(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default cache is $XDG_CACHE_HOME/pufferfish, so a corpus in a read-only folder
+    works and its folder gains nothing; an entry an older version wrote beside the corpus is
+    still a hit (same name, same digest) and nothing is written there."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    text = tiny_corpus(folder)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    folder.chmod(0o555)  # read-only (root writes anyway: then the listing below decides)
+    try:
+        corpus = load_bpe_corpus(str(text), 280)
+        assert corpus.tokenizer_path.parent == tmp_path / "xdg" / "pufferfish"
+        assert [p.name for p in folder.iterdir()] == ["corpus.txt"]
+    finally:
+        folder.chmod(0o755)
+    for path in (corpus.tokenizer_path, corpus.tokenizer_path.with_name(
+            corpus.tokenizer_path.name.replace(".tokenizer.json", ".tokens.pt"))):
+        path.rename(folder / path.name)  # where an older version left them
+    monkeypatch.setattr(bpe_module, "_train", lambda *a: pytest.fail("trained on a cache hit"))
+    old = load_bpe_corpus(str(text), 280)
+    assert old.tokenizer_path.parent == folder and torch.equal(old.train, corpus.train)
+    assert not any((tmp_path / "xdg" / "pufferfish").iterdir())
+
+
 def test_validation_shares_no_verse_with_training(tmp_path: Path) -> None:
     lines = [f"verse {i} " + "x" * (i % 7) for i in range(300)]
     text = tmp_path / "verses.txt"
@@ -159,7 +184,7 @@ def test_packed_batches_shard_disjointly_with_equal_steps() -> None:
 
 def llama_args(tmp_path: Path, *extra: str) -> list[str]:
     return ["--model", "llama", "--width", "0.0625", "--data", str(tiny_corpus(tmp_path)),
-            "--data-dir", str(tmp_path / "cache"), "--vocab-size", "280", "--seq-len", "16",
+            "--cache-dir", str(tmp_path / "cache"), "--vocab-size", "280", "--seq-len", "16",
             "--batch-size", "4", "--lr", "0.1", "--threads", "1", "--no-progress", *extra]
 
 
@@ -247,6 +272,31 @@ def test_hf_trainer_callback_switches_hf_llama_with_the_paper_preset(tmp_path: P
     assert all(id(p) in in_optimizer for p in model.parameters())
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses and all(math.isfinite(v) for v in losses)
+
+
+def test_callbacks_and_recipe_by_default_take_the_presets_keep_list_with_its_warm_up() -> None:
+    """A preset found by class name is the model's default everywhere: the callbacks' core
+    and Recipe given no preset keep what ``factorize(preset="paper")`` keeps (lm_head, the
+    first block), not only the preset's warm-up; ``preset=None`` asks for neither."""
+    from pufferfish.integrations.core import TrainerSwitch
+
+    def factorized(**given: object) -> tuple[object, set[str]]:
+        model = tiny_hf_llama()
+        switch = TrainerSwitch(verbose=False, **given)
+        switch.start(model, 0.0, resumed=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        switch.switch(0, 0, model, [optimizer], None)
+        return switch.recipe.warmup_epochs, set(switch.recipe.report.ranks)
+
+    assert factorized() == (0, _expected_factorized("model.", 3))
+    warmup, none = factorized(preset=None)
+    assert warmup == 2 and {"lm_head", "model.layers.0.mlp.up_proj"} <= none
+    model = tiny_hf_llama()
+    recipe = pf.Recipe(warmup_epochs=0)
+    recipe.on_epoch_start(0, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert set(recipe.report.ranks) == _expected_factorized("model.", 3)
+    with pytest.raises(ValueError, match="has no preset 'papr': allowed paper, 'default' or None"):
+        pf.factorize(tiny_hf_llama(), preset="papr")
 
 
 def test_the_llama_preset_sets_the_warm_up_only_where_the_user_did_not() -> None:

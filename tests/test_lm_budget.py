@@ -66,7 +66,7 @@ def test_the_tokenizer_is_trained_on_the_training_documents_only(
 
 def _args(tmp_path: Path, *extra: str) -> list[str]:
     return ["--model", "llama", "--width", "0.0625", "--data", str(tiny_corpus(tmp_path)),
-            "--data-dir", str(tmp_path / "cache"), "--vocab-size", "280", "--seq-len", "16",
+            "--cache-dir", str(tmp_path / "cache"), "--vocab-size", "280", "--seq-len", "16",
             "--batch-size", "8", "--lr", "0.01", "--threads", "1", "--no-progress", *extra]
 
 

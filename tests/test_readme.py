@@ -40,12 +40,15 @@ TINY = {
     "bench-reuse": [],
     "factorize": [],
     "report": [],
+    "--help": [],
 }
 NOT_RUN = {"make demo": "the demo itself (11 minutes)", "make test": "the test suite itself",
            "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint "
            "HOST0:29400 --rdzv-id bench -m pufferfish bench --model "
            "examples/bench_my_model.py:make --out runs/cluster":
-           "two machines: tests/test_bench_user.py runs it on two network namespaces"}
+           "two machines: tests/test_bench_user.py runs it on two network namespaces",
+           **{f"pip install {what}": "installing: done by the tests' environment"
+              for what in ("pufferfish", "'pufferfish[lm]'", "'pufferfish[galore]'")}}
 
 
 def python_blocks() -> list[str]:

@@ -142,7 +142,7 @@ def _lm(tmp_path: Path, *extra: str) -> list[str]:
     from test_training import tiny_corpus
 
     return ["train", "--model", "llama", "--width", "0.0625", "--data",
-            str(tiny_corpus(tmp_path)), "--data-dir", str(tmp_path / "cache"), "--vocab-size",
+            str(tiny_corpus(tmp_path)), "--cache-dir", str(tmp_path / "cache"), "--vocab-size",
             "280", "--seq-len", "16", "--batch-size", "4", "--threads", "1", "--no-progress",
             "--out", str(tmp_path / "run"), *extra]
 
@@ -222,6 +222,24 @@ def test_a_share_warmup_of_one_epoch_switches_in_steps() -> None:
     assert load_config(None, {"epochs": 1, "warmup_steps": 7}).switch_step(50) == 7
 
 
+def test_a_short_run_scales_its_milestones_and_warm_up_to_its_steps() -> None:
+    """A 1-epoch try of the paper's schedule: full LR from step 0, x0.1 half-way, x0.01 at 3/4
+    (the nearest epoch boundary, epoch 0, would decay from the first step); a 10% warm-up of 4
+    steps switches after one full-rank step. Runs of whole epochs keep epoch milestones."""
+    from pufferfish.training.schedule import lr_at
+
+    one = load_config(None, {"epochs": 1, "lr": 0.1, "warmup_epochs": "10%"})
+    assert [lr_at(one, s, 8) for s in range(8)] == pytest.approx([0.1] * 4 + [0.01] * 2
+                                                                  + [0.001] * 2)
+    assert one.switch_step(4) == 1 and one.switch_step(50) == 5
+    two = load_config(None, {"epochs": 2, "lr": 0.1})
+    assert [lr_at(two, s, 4) for s in (0, 3, 4, 5, 6)] == pytest.approx(
+        [0.1, 0.1, 0.01, 0.01, 0.001])  # epoch 1, then 75% of the steps: step 6
+    twenty = load_config(None, {"epochs": 20, "lr": 0.1})
+    assert [lr_at(twenty, s, 10) for s in (99, 100, 149, 150)] == pytest.approx(
+        [0.1, 0.01, 0.01, 0.001])  # epochs 10 and 15, as before
+
+
 def test_the_warmup_banner(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from test_training import tiny_corpus
 
@@ -234,9 +252,9 @@ def test_the_warmup_banner(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
             "--threads", "1", "--no-progress", "--out", str(run)]
     assert main([*args, "--epochs", "1"]) == 0
     out = capsys.readouterr().out
-    assert "warm-up: 20% of 1 epoch is no whole epoch: full rank for the first 20% of its " \
+    assert "warm-up: 20% of 1 epoch is no whole epoch: full rank for the first 2 of its 10 " \
            "optimizer steps, then the switch (mid-epoch)" in out
-    assert "switching to the low-rank model at step 2 (epoch 0, step 2)" in out  # 9 steps
+    assert "switching to the low-rank model at step 2 (epoch 0, step 2)" in out  # of 10 steps
     assert read_metrics(run)[0]["lowrank"] is True
     assert main([*args, "--epochs", "5", "--overwrite"]) == 0
     out = capsys.readouterr().out
@@ -248,12 +266,12 @@ def test_the_warmup_banner(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 # -- 7. compare's LTH bar counts the run's epochs --------------------------------------------------
 
 def test_the_progress_bar_counts_every_epoch_of_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One bar over the run (LTH: every round's epochs), a resumed run's steps already done."""
     from pufferfish.distributed.env import DistEnv
-    from pufferfish.training import loop
-    from pufferfish.training.run import Progress
+    from pufferfish.training import progressbar
 
     seen = []
-    monkeypatch.setattr(loop, "tqdm", lambda **kw: seen.append(kw["desc"]))
+    monkeypatch.setattr(progressbar, "tqdm", lambda **kw: seen.append(kw))
     cfg = load_config(None, {"mode": "lth", "epochs": 2})
-    loop._progress_bar(cfg, DistEnv(), Progress(epoch=13), 10, 6)
-    assert seen == ["epoch 14/6"]
+    progressbar.run_bar(cfg, DistEnv(), 13, 10, 6)  # 6 epochs of 10 steps
+    assert seen[0]["total"] == 60 and seen[0]["initial"] == 13

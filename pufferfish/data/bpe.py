@@ -13,9 +13,12 @@ split.
 
 Cache: ``<cache_dir>/<name>.bpe<vocab>-<digest>.tokenizer.json`` and ``.tokens.pt`` (the three
 streams), where the digest is SHA-256 over the corpus's lines and every setting (vocabulary,
-minimum pair frequency, split, tokenizers version). A changed corpus or setting is a new file,
-never an overwrite; files are written through a temp file and a rename; an unreadable
-``.tokens.pt`` is a miss.
+minimum pair frequency, split, tokenizers version). ``cache_dir`` is ``--cache-dir``, by default
+the user's cache (``$XDG_CACHE_HOME/pufferfish``, else ``~/.cache/pufferfish``): never beside the
+user's corpus, whose folder may be read-only and is the user's. Files an older version wrote
+beside a text corpus are still read (same names, same digests), never written there again. A
+changed corpus or setting is a new file, never an overwrite; files are written through a temp file
+and a rename; an unreadable ``.tokens.pt`` is a miss.
 """
 
 from __future__ import annotations
@@ -119,12 +122,16 @@ def _split(lines: list[str]) -> tuple[list[str], list[str], list[str]]:
                        SPLIT["mode"])  # type: ignore[arg-type]
 
 
-def default_cache_dir(name: str) -> Path:
-    """Beside a text file; for the KJV (a program's output) ``$XDG_CACHE_HOME/pufferfish``."""
-    path = Path(name).expanduser()
-    if path.is_file():
-        return path.resolve().parent
+def default_cache_dir() -> Path:
+    """The user's cache for derived files: ``$XDG_CACHE_HOME/pufferfish`` or
+    ``~/.cache/pufferfish`` (the XDG base directory rule, as pip and torch.hub follow it)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pufferfish"
+
+
+def _legacy_dir(name: str) -> Path | None:
+    """Where versions before ``--cache-dir`` wrote a text corpus's cache: beside it (read only)."""
+    path = Path(name).expanduser()
+    return path.resolve().parent if path.is_file() else None
 
 
 def load_bpe_corpus(name: str, vocab_size: int, cache_dir: str | os.PathLike[str] | None = None
@@ -142,9 +149,9 @@ def load_bpe_corpus(name: str, vocab_size: int, cache_dir: str | os.PathLike[str
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     for line in lines:
         digest.update(line.encode("utf-8") + b"\n")
-    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir(name)
-    base = directory / f"{stem}.bpe{vocab_size}-{digest.hexdigest()[:16]}"
-    tok_path, ids_path = Path(f"{base}.tokenizer.json"), Path(f"{base}.tokens.pt")
+    directory = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    entry = f"{stem}.bpe{vocab_size}-{digest.hexdigest()[:16]}"
+    tok_path, ids_path = _cached_paths(directory, entry, _legacy_dir(name))
     if tok_path.is_file():
         tokenizer = tokenizers.Tokenizer.from_file(str(tok_path))
     else:
@@ -153,10 +160,21 @@ def load_bpe_corpus(name: str, vocab_size: int, cache_dir: str | os.PathLike[str
     streams = _load_streams(ids_path, digest.hexdigest())
     if streams is None:
         streams = [_encode(tokenizer, part) for part in (train, valid, test)]
-        _atomic_write(ids_path, lambda f: torch.save(
+        _atomic_write(directory / ids_path.name, lambda f: torch.save(
             {"digest": digest.hexdigest(), "streams": streams}, f))
     return BPECorpus(*streams, vocab_size=tokenizer.get_vocab_size(), tokenizer_path=tok_path,
                      source=name)
+
+
+def _cached_paths(directory: Path, entry: str, legacy: Path | None) -> tuple[Path, Path]:
+    """The tokenizer and token-stream files of ``entry``: in ``directory``, or in ``legacy``
+    when an older version left both there and ``directory`` has neither (read, never written)."""
+    paths = (directory / f"{entry}.tokenizer.json", directory / f"{entry}.tokens.pt")
+    if legacy is not None and legacy != directory and not any(p.exists() for p in paths):
+        old = (legacy / paths[0].name, legacy / paths[1].name)
+        if all(p.is_file() for p in old):
+            return old
+    return paths
 
 
 def _tokenizers() -> Any:
@@ -219,7 +237,7 @@ def _atomic_write(path: Path, write: Callable) -> None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     except OSError as e:
         raise DataError(f"{path.parent}: cannot write the BPE cache ({one_line(e, with_type=True)}); "
-                        "expected a writable directory (set --data-dir)") from e
+                        "expected a writable directory (set --cache-dir)") from e
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
 __all__ = ["DistEnv", "all_reduce_sum", "broadcast_object", "cleanup", "ddp_options", "exit_process",
            "gather_object", "idle_cpus", "rebuild_ddp_in_place", "rewrap_ddp", "say", "setup", "wrap_ddp"]
@@ -372,6 +373,8 @@ def gather_object(obj: Any, env: DistEnv) -> list[Any]:
 
 
 def say(env: DistEnv, text: str) -> None:
-    """Print on rank 0 only (every rank runs the same code; one copy of each line is enough)."""
+    """Print on rank 0 only (every rank runs the same code; one copy of each line is enough),
+    above any progress bar (``tqdm.write``), never inside a bar's line."""
     if env.is_main:
-        print(text, flush=True)
+        tqdm.write(text)
+        sys.stdout.flush()

@@ -39,7 +39,7 @@ from ..distributed import fsdp
 from ..distributed.env import ddp_options, rebuild_ddp_in_place
 from ..lowrank import LowRankModule, load_factorized
 from ..lowrank.factorize import factorizable_modules
-from ..lowrank.presets import presets_of
+from ..lowrank.presets import resolve_preset
 from ..recipe import ParameterSwap, Recipe, swap_parameters
 
 __all__ = ["TrainerSwitch", "optimizer_order", "rebuild_on_load", "restore_order"]
@@ -95,7 +95,7 @@ class TrainerSwitch:
             return
         if self._model_decides:  # no warm-up given: the model's preset may carry its own
             policy = self.recipe.switch_owner.policy
-            preset = presets_of(module).get(self.recipe.switch_owner.plan.preset or "paper", {})
+            preset = resolve_preset(module, self.recipe.switch_owner.plan.preset)
             policy.warmup_epochs = preset.get("warmup_epochs", policy.warmup_epochs)
         if self.recipe.detector is None or not resumed:
             self.recipe.observe(0, module)  # a check only, for fixed choices

@@ -56,7 +56,7 @@ from torch import nn
 
 from .base import LowRankModule, low_rank_class_for
 from .counting import count_macs, count_params
-from .presets import presets_of
+from .presets import resolve_preset
 from .report import FactorizationReport, LayerDecision
 from .selection import ModuleIndex, as_patterns, first_match, resolve_rank
 from .svd import rank_from_ratio
@@ -92,7 +92,9 @@ def factorize(
         keep_first: keep the first K supported modules (forward order) full-rank: the paper's
             hybrid network, since the first layers are the most sensitive to factorization.
         preset: a named choice shipped with the model class in ``model.PRESETS`` (the paper's
-            models in :mod:`pufferfish.models` define ``"paper"``); its ``keep`` patterns are added
+            models in :mod:`pufferfish.models` define ``"paper"``) or registered for its class name
+            (HF's ``LlamaForCausalLM``); ``"default"``: ``"paper"`` if the model has it, else none
+            (:func:`~pufferfish.lowrank.presets.resolve_preset`). Its ``keep`` patterns are added
             to ``keep``.
         extra_bn: put a BatchNorm between the two factors of each conv (the paper's variant).
         example_input: what the model is called with (see :func:`call_with_example`: a tensor, a
@@ -166,8 +168,7 @@ def _validated(model: nn.Module, rank_ratio: float, rank: int | None, keep: Iter
     if isinstance(keep_first, bool) or not isinstance(keep_first, int) or keep_first < 0:
         raise ValueError(f"keep_first {keep_first!r} is out of range: allowed an integer >= 0")
     keep = as_patterns(keep)
-    if preset is not None:
-        keep += _preset(model, preset).get("keep", [])
+    keep += resolve_preset(model, preset).get("keep", [])
     overrides = dict(overrides or {})
     for value in overrides.values():
         if isinstance(value, float):
@@ -322,14 +323,6 @@ def _reparametrized(module: nn.Module) -> str | None:
         if type(hook).__module__.startswith("torch.nn.utils"):
             return f"weight recomputed by {type(hook).__name__} (torch.nn.utils)"
     return None
-
-
-def _preset(model: nn.Module, preset: str) -> dict[str, Any]:
-    presets = presets_of(model)
-    if preset not in presets:
-        allowed = ", ".join(sorted(presets)) or "none: pass keep/include patterns instead"
-        raise ValueError(f"{type(model).__name__} has no preset {preset!r}: allowed {allowed}")
-    return presets[preset]
 
 
 def find_candidates(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:

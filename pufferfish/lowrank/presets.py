@@ -19,9 +19,11 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["presets_of", "register_presets"]
+__all__ = ["DEFAULT_PRESET", "presets_of", "register_presets", "resolve_preset"]
 
 Presets = dict[str, dict[str, Any]]
+
+DEFAULT_PRESET = "default"  # the model's "paper" preset when it has one (own or by class name)
 
 _LLAMA = "pufferfish.models.llama:Llama"
 _BY_CLASS_NAME: dict[str, Presets | str] = {
@@ -45,3 +47,23 @@ def presets_of(model: nn.Module) -> Presets:
         module, name = found.split(":")
         found = getattr(importlib.import_module(module), name).PRESETS
     return found
+
+
+def resolve_preset(model: nn.Module, name: str | None) -> dict[str, Any]:
+    """The one answer to "which preset does ``model`` get": its ``keep`` patterns and, maybe, its
+    own ``warmup_epochs``, for ``factorize``, the plan, the Recipe, the callbacks and the CLI.
+
+    ``None``: no preset. ``"default"``: the model's ``"paper"`` preset if it has one (its own
+    ``PRESETS`` or those registered for its class name), else none, so that a default never takes
+    a preset's warm-up without its keep list. Another name: that preset, or a one-line
+    ``ValueError`` naming the allowed ones."""
+    if name is None:
+        return {}
+    presets = presets_of(model)
+    if name == DEFAULT_PRESET:
+        return presets.get("paper", {})
+    if name not in presets:
+        allowed = ", ".join(sorted(presets)) or "none: pass keep/include patterns instead"
+        raise ValueError(f"{type(model).__name__} has no preset {name!r}: allowed {allowed}, "
+                         f"{DEFAULT_PRESET!r} or None")
+    return presets[name]

@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from ..config import ConfigError, TrainConfig
 from ..data import DataError
@@ -79,7 +78,8 @@ from .guards import (
 )
 from .methods import Method, build_method
 from .metrics import MetricsWriter, quality_key, selection_key
-from .run import Progress, Run
+from .progressbar import run_bar
+from .run import Run
 from .schedule import lr_at
 from .step import micro_batch_groups, train_step
 from .tasks import Task, build_task, steps_per_epoch
@@ -130,14 +130,15 @@ def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]
         dist_env.cleanup(drain=finished)
 
 
-def _say_warmup(cfg: TrainConfig, env: DistEnv) -> None:
-    """What ``--warmup-epochs P%`` comes to in this run, at its start."""
+def _say_warmup(cfg: TrainConfig, env: DistEnv, steps: int) -> None:
+    """What ``--warmup-epochs P%`` comes to in this run (``steps`` per epoch), at its start."""
     if cfg.mode != "pufferfish" or not cfg.warmup_epochs.endswith("%"):
         return
     if cfg.warmup_share_in_steps:
+        at = cfg.switch_step(steps)
         dist_env.say(env, f"warm-up: {cfg.warmup_epochs} of 1 epoch is no whole epoch: full rank "
-                          f"for the first {cfg.warmup_epochs} of its optimizer steps, then the "
-                          "switch (mid-epoch)")
+                          f"for the first {at} of its {steps} optimizer steps, then the switch "
+                          "(mid-epoch)")
         return
     n, epochs = cfg.switch_epoch, cfg.epochs
     dist_env.say(env, f"warm-up: {cfg.warmup_epochs} of {epochs} epoch{'s' * (epochs != 1)} = "
@@ -199,11 +200,11 @@ def _run(cfg: TrainConfig, env: DistEnv, method: Method, run_dir: Path,
         cfg, env, run_dir, (*tasks.run_fields(cfg), *optim.RUN_FIELDS, *method.run_fields,
                             *SYNC_FIELDS),
         hold=hold, total_epochs=method.total_epochs(cfg), created=created)
-    if resumed is None:  # a resumed run has its switch point already (and may be past it)
-        _say_warmup(cfg, env)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     task = build_task(cfg, env)
     steps = steps_per_epoch(cfg, task)  # optimizer steps; refuses a --grad-accum beyond the data
+    if resumed is None:  # a resumed run has its switch point already (and may be past it)
+        _say_warmup(cfg, env, steps)
     model = task.model.to(env.device)
     method.setup(model, task.example_input(env.device), cfg)
     startup.check_agree(env, "the data or the checkpoint to resume", {
@@ -234,6 +235,7 @@ def _run(cfg: TrainConfig, env: DistEnv, method: Method, run_dir: Path,
         writer.close()
     if env.is_main:
         dist_env.say(env, writer.final_table())
+        dist_env.say(env, _headline(writer.rows, run_dir))
     return writer.rows
 
 
@@ -241,28 +243,40 @@ def _epochs(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task
             writer: MetricsWriter) -> None:
     """The epochs that remain: each trained, evaluated, recorded and checkpointed."""
     total = method.total_epochs(cfg)
-    while run.progress.epoch < total:
-        epoch = run.progress.epoch
-        if run.progress.step_in_epoch == 0:
-            _start_epoch(cfg, env, run, method, task, run_dir, writer)
-        row = _train_epoch(cfg, env, run, method, task, run_dir, writer)
-        _fit_batchnorm(cfg, env, run, task)
-        row.update(task.evaluate(run.model, env))
-        if epoch + 1 == total:  # the reported figures (the LM's test split), after the last epoch
-            row.update(task.final_metrics(run.model, env))
-        if run.figures is None:  # recounted only when the method changed the model
-            with _eager():
-                run.figures = method.model_figures(run.model, task.example_input(env.device))
-        row.update(run.figures)
-        row.update(method.on_epoch_end(epoch, run.model))
-        with signals_deferred():
-            writer.write(row, run.progress.global_step)
-        dist_env.say(env, _summary(row, total))
-        run.progress.epoch, run.progress.step_in_epoch = epoch + 1, 0
-        every = cfg.checkpoint_every_epochs  # 0: only the last epoch's
-        if epoch + 1 == total or (every and (epoch + 1) % every == 0):
-            checkpoint(cfg, env, run, method, task, run_dir)
-        note_buckets(env, run, run_dir)
+    run.bar = run_bar(cfg, env, run.progress.global_step, steps_per_epoch(cfg, task), total)
+    try:
+        while run.progress.epoch < total:
+            _run_epoch(cfg, env, run, method, task, run_dir, writer, total)
+    finally:
+        run.bar.close()
+
+
+def _run_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
+               run_dir: Path, writer: MetricsWriter, total: int) -> None:
+    """One epoch of ``total``: trained, evaluated, recorded and checkpointed."""
+    epoch = run.progress.epoch
+    run.bar.set_description(f"epoch {epoch + 1}/{total}")
+    if run.progress.step_in_epoch == 0:
+        _start_epoch(cfg, env, run, method, task, run_dir, writer)
+    row = _train_epoch(cfg, env, run, method, task, run_dir, writer)
+    _fit_batchnorm(cfg, env, run, task)
+    run.bar.set_description(f"epoch {epoch + 1}/{total} evaluating")
+    row.update(task.evaluate(run.model, env))
+    if epoch + 1 == total:  # the reported figures (the LM's test split), after the last epoch
+        row.update(task.final_metrics(run.model, env))
+    if run.figures is None:  # recounted only when the method changed the model
+        with _eager():
+            run.figures = method.model_figures(run.model, task.example_input(env.device))
+    row.update(run.figures)
+    row.update(method.on_epoch_end(epoch, run.model))
+    with signals_deferred():
+        writer.write(row, run.progress.global_step)
+    dist_env.say(env, _summary(row, total))
+    run.progress.epoch, run.progress.step_in_epoch = epoch + 1, 0
+    every = cfg.checkpoint_every_epochs  # 0: only the last epoch's
+    if epoch + 1 == total or (every and (epoch + 1) % every == 0):
+        checkpoint(cfg, env, run, method, task, run_dir)
+    note_buckets(env, run, run_dir)
 
 
 def _start_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
@@ -291,7 +305,7 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
     stats = _comm_stats(run)
     if stats is not None:
         stats.reset()
-    bar = _progress_bar(cfg, env, progress, steps, method.total_epochs(cfg))
+    bar = run.bar
     run.meter.start()
     for i, batches in enumerate(micro_batch_groups(loader, cfg.grad_accum)):
         if i < progress.step_in_epoch:  # resuming mid-epoch: these steps were taken before
@@ -325,7 +339,6 @@ def _train_epoch(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task:
                 and progress.step_in_epoch < steps:
             _fit_batchnorm(cfg, env, run, task)
             checkpoint(cfg, env, run, method, task, run_dir)
-    bar.close()
     return _epoch_row(cfg, env, run, method, steps)
 
 
@@ -464,15 +477,6 @@ def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
     return row
 
 
-def _progress_bar(cfg: TrainConfig, env: DistEnv, progress: Progress, steps: int,
-                  epochs: int) -> Any:
-    """The bar of one epoch, ``epoch N/M`` of the whole run (LTH: every round's epochs), as the
-    line after each epoch says."""
-    return tqdm(total=steps, initial=progress.step_in_epoch,
-                desc=f"epoch {progress.epoch + 1}/{epochs}",
-                disable=not (env.is_main and cfg.progress), leave=False, mininterval=1.0)
-
-
 def _eager() -> contextlib.AbstractContextManager:
     """Outside the training step the model runs eagerly under ``--compile``: the switch and the
     figures run it under torch's flop counter, and dynamo skips a frame it met under a dispatch
@@ -493,6 +497,19 @@ def _step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
 
 
 # -- output ------------------------------------------------------------------------------------
+
+def _headline(rows: list[dict[str, Any]], run_dir: Path) -> str:
+    """The run's last line: its result and where everything is."""
+    if not rows:
+        return f"run directory: {run_dir}"
+    row = rows[-1]
+    figures = ", ".join(f"{key} {100 * row[key]:.2f}%" if key.endswith("_acc") else
+                        f"{key} {row[key]:.2f}"
+                        for key in dict.fromkeys((quality_key(row), selection_key(row))))
+    return (f"done: {figures} after {row['epoch']} epoch{'s' * (row['epoch'] != 1)}, "
+            f"{row['params'] / 1e6:.2f}M parameters; run directory: {run_dir} (metrics.jsonl, "
+            "checkpoints/; `pufferfish report` compares runs)")
+
 
 def _summary(row: dict[str, Any], total_epochs: int) -> str:
     quality = " | ".join(f"{key} {100 * row[key]:.2f}%" if key.endswith("_acc") else

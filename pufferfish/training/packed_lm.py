@@ -32,6 +32,7 @@ from ..data.validate import check_subset
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 from ..formatting import one_line
+from .progressbar import evaluating
 
 __all__ = ["PackedLMTask", "load_corpus"]
 
@@ -84,7 +85,7 @@ class PackedLMTask:
         started = time.perf_counter()
         if self._since is not None:
             self.seconds += started - self._since
-        loss = self._loss_on(model, env, self.valid)
+        loss = self._loss_on(model, env, self.valid, "validation")
         trained, seconds = dist_env.all_reduce_sum([self.tokens, self.seconds], env)
         if self._since is not None:
             self._since = time.perf_counter()
@@ -94,18 +95,18 @@ class PackedLMTask:
 
     def final_metrics(self, model: nn.Module, env: DistEnv) -> dict[str, float]:
         """After the last epoch: the test split's loss and perplexity (the reported figures)."""
-        loss = self._loss_on(model, env, self.test)
+        loss = self._loss_on(model, env, self.test, "test")
         return {"test_loss": loss, "test_ppl": math.exp(min(loss, 50.0))}
 
     @torch.no_grad()
     def _loss_on(self, model: nn.Module, env: DistEnv,
-                 split: tuple[torch.Tensor, torch.Tensor]) -> float:
+                 split: tuple[torch.Tensor, torch.Tensor], name: str) -> float:
         """Mean cross-entropy per token over all ranks' windows of ``split``."""
         model.eval()
         device = next(model.parameters()).device
         total, tokens = 0.0, 0
         inputs, targets = split
-        for i in range(0, len(inputs), self.cfg.batch_size):
+        for i in evaluating(self.cfg, env, range(0, len(inputs), self.cfg.batch_size), name):
             x = inputs[i:i + self.cfg.batch_size].to(device)
             y = targets[i:i + self.cfg.batch_size].to(device)
             logits = model(x)
@@ -126,12 +127,12 @@ def load_corpus(cfg: TrainConfig, env: DistEnv) -> datasets.BPECorpus:
     corpus, error = None, None
     if env.is_main:
         try:
-            corpus = datasets.load_bpe_corpus(cfg.data, cfg.vocab_size, cfg.data_dir or None)
+            corpus = datasets.load_bpe_corpus(cfg.data, cfg.vocab_size, cfg.cache_dir or None)
         except datasets.DataError as e:
             error = one_line(e)
     error = dist_env.broadcast_object(error, env)
     if error is not None:
         raise datasets.DataError(error if env.is_main else f"rank 0: {error}")
     if corpus is None:
-        corpus = datasets.load_bpe_corpus(cfg.data, cfg.vocab_size, cfg.data_dir or None)
+        corpus = datasets.load_bpe_corpus(cfg.data, cfg.vocab_size, cfg.cache_dir or None)
     return corpus

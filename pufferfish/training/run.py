@@ -44,3 +44,4 @@ class Run(Replica):
     buckets: BucketTuner = field(default_factory=BucketTuner)  # DDP's bucket cap, and its trials
     change: Change | None = None  # the last change of the model, whose report has the buckets
     noted: int = 0  # bucket decisions reported so far
+    bar: Any = None  # rank 0's bar of the whole run (progressbar.run_bar)

@@ -36,7 +36,7 @@ from .tasks import LEGACY_RUN_VALUES, Task
 # Fields that may legitimately differ between ranks: node-local paths, per-process CPU threads,
 # and rank 0's progress bar. Everything else must be identical or the replicas train different
 # things (or deadlock in mismatched collectives).
-PER_RANK_FIELDS = ("data_dir", "threads", "progress")
+PER_RANK_FIELDS = ("data_dir", "cache_dir", "threads", "progress")
 # Fields that do not change what is computed, so an automatic resume (torchelastic restart or
 # ``--resume auto``) may find them changed; any other difference means the run directory holds a
 # different run, which is refused rather than silently continued.

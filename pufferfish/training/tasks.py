@@ -13,11 +13,11 @@ curves and the reported figures, not for choosing.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -27,9 +27,10 @@ from ..config import TrainConfig
 from ..data.validate import check_subset
 from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
+from .progressbar import evaluating
 
 __all__ = ["LEGACY_RUN_VALUES", "RUN_FIELDS", "ImageTask", "LanguageTask", "Task", "build_task",
-           "run_fields", "steps_per_epoch"]
+           "resolve_short_try", "run_fields", "steps_per_epoch"]
 
 # Configuration fields that define what a task computes (its data, model and batches, and the
 # micro-batches of each optimizer step): a resume with any of them changed is refused (with the
@@ -90,10 +91,10 @@ class Task(Protocol):
 
 def build_task(cfg: TrainConfig, env: DistEnv) -> Task:
     if cfg.download and not cfg.is_lm:
-        if env.is_main:
-            datasets.download(cfg.data, cfg.data_dir or "data")
-        if env.distributed:
-            dist.barrier()
+        # The images are then read where they were fetched (./data without --data-dir), not
+        # from the dataset's system default, which a machine without the package lacks.
+        got = str(datasets.download(cfg.data, cfg.data_dir or "data")) if env.is_main else None
+        cfg = dataclasses.replace(cfg, data_dir=dist_env.broadcast_object(got, env))
     if cfg.model == "llama":
         from .packed_lm import PackedLMTask
 
@@ -107,6 +108,29 @@ def check_subsets(cfg: TrainConfig, n_train: int, n_test: int, unit: str, held: 
     for key, n, split in (("train_subset", n_train, "training"), ("test_subset", n_test, "test")):
         less = f" less the {held} of val_subset" if held and key == "train_subset" else ""
         check_subset(key, getattr(cfg, key), n, f"the {split} {unit} of {cfg.data}{less}")
+
+
+SHORT_TRY_MIN_EVAL = 1000  # a short try still evaluates this many images per split (±1.5 points)
+EVAL_IMAGES = 10_000  # Fashion-MNIST's and CIFAR-10's test split (validation: 5,000 held out)
+
+
+def resolve_short_try(cfg: TrainConfig, given: set[str]) -> tuple[TrainConfig, str | None]:
+    """``train_subset`` given on the command line without ``test_subset`` (``given``: the keys
+    the user set), on images: a short try, so the validation and test splits shrink with it, to
+    a fifth of it (the test split's share of the training images) but at least
+    :data:`SHORT_TRY_MIN_EVAL`. Returns the configuration and the line that says so (None:
+    unchanged). Without this a 512-image try trains for seconds and then evaluates 15,000 images
+    every epoch. A ``test_subset`` given (10000: every image) is kept, so scripts that pass
+    both are unaffected; LMs evaluate their splits as configured."""
+    if cfg.is_lm or "train_subset" not in given or "test_subset" in given \
+            or not cfg.train_subset or cfg.test_subset:
+        return cfg, None
+    n = max(SHORT_TRY_MIN_EVAL, -(-cfg.train_subset // 5))
+    if n >= EVAL_IMAGES:
+        return cfg, None
+    return dataclasses.replace(cfg, test_subset=n), (
+        f"a short try: --train-subset {cfg.train_subset} also evaluates only the first {n} "
+        f"validation and test images (--test-subset {n}; --test-subset {EVAL_IMAGES} for all)")
 
 
 class ImageTask:
@@ -159,13 +183,15 @@ class ImageTask:
     def evaluate(self, model: nn.Module, env: DistEnv) -> dict[str, float]:
         """``val_acc``/``val_loss`` (what choices are made on; absent with ``--val-subset 0``) and
         ``test_acc``/``test_loss`` (the curves and the reported figures)."""
-        val = self._evaluate_on(model, env, self.val) if self.cfg.val_subset else None
-        test = self._evaluate_on(model, env, self.test)
+        val = self._evaluate_on(model, env, self.val, "validation") if self.cfg.val_subset \
+            else None
+        test = self._evaluate_on(model, env, self.test, "test")
         figures = {} if val is None else {"val_acc": val[0], "val_loss": val[1]}
         return {**figures, "test_acc": test[0], "test_loss": test[1]}
 
     @torch.no_grad()
-    def _evaluate_on(self, model: nn.Module, env: DistEnv, split: _Shard) -> tuple[float, float]:
+    def _evaluate_on(self, model: nn.Module, env: DistEnv, split: _Shard, name: str
+                     ) -> tuple[float, float]:
         """Accuracy and mean loss over every rank's shard of ``split``."""
         model.eval()
         device = next(model.parameters()).device
@@ -175,7 +201,7 @@ class ImageTask:
         images, labels, total = split
         # As many batches on every rank (the last possibly empty): FSDP2 gathers in each forward.
         rows = -(-total // env.world_size)
-        for i in range(0, rows, self.cfg.eval_batch_size):
+        for i in evaluating(self.cfg, env, range(0, rows, self.cfg.eval_batch_size), name):
             x = images[i:i + self.cfg.eval_batch_size].to(device).float() / 255
             y = labels[i:i + self.cfg.eval_batch_size].to(device)
             logits = model((x - mean) / std)
@@ -269,7 +295,8 @@ class LanguageTask:
     def evaluate(self, model: nn.Module, env: DistEnv) -> dict[str, float]:
         model.eval()
         total, tokens, hidden = 0.0, 0, None
-        for i in range(0, len(self.test_source) - 1, self.cfg.bptt):
+        for i in evaluating(self.cfg, env, range(0, len(self.test_source) - 1, self.cfg.bptt),
+                            "test"):
             data, target = datasets.get_bptt_batch(self.test_source, i, self.cfg.bptt)
             logits, hidden = self._forward(model, data, hidden)
             total += F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
