@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_cli
 
 torch.set_num_threads(1)
 
@@ -15,16 +16,11 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
-
-
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``uninterrupted(args, nproc=2)``: the run directory of ``pufferfish train ARGS`` under
     torchrun on ``nproc`` processes, trained once per session and shared by the tests that compare
     with it (a resumed run must end where it ends)."""
-    from test_training import run_cli
 
     done: dict[tuple[tuple[str, ...], int], Path] = {}
 

@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from helpers import set_diag
 from torch import nn
 
 import pufferfish as pf
@@ -143,22 +144,15 @@ def test_switch_window_must_be_positive() -> None:
 # ---------------------------------------------------------------- choose_ranks
 
 
-def _set_diag(layer: nn.Linear, values: list[float]) -> None:
-    with torch.no_grad():
-        w = torch.zeros_like(layer.weight)
-        w[range(len(values)), range(len(values))] = torch.tensor(values)
-        layer.weight.copy_(w)
-
-
 def test_cuttlefish_rule_and_saving_cap() -> None:
     model = nn.Sequential(nn.Linear(64, 64))
     assert saving_cap(model[0]) == 31  # r·128 + 64 < 64·64 + 64
-    _set_diag(model[0], [1.0] * 32)  # stable rank at init 32 -> scale 64/32 = 2
+    set_diag(model[0], [1.0] * 32)  # stable rank at init 32 -> scale 64/32 = 2
     tracker = StableRankTracker(model)
     assert tracker.initial["0"] == pytest.approx(32)
-    _set_diag(model[0], [1.0] * 10)  # stable rank now 10 -> rank 20
+    set_diag(model[0], [1.0] * 10)  # stable rank now 10 -> rank 20
     assert choose_ranks(tracker) == {"0": 20}
-    _set_diag(model[0], [1.0] * 30)  # 60 would not save parameters -> capped at 31
+    set_diag(model[0], [1.0] * 30)  # 60 would not save parameters -> capped at 31
     ranks = choose_ranks(tracker)
     assert ranks == {"0": 31}
     report = factorize(model, overrides=ranks)
@@ -167,9 +161,9 @@ def test_cuttlefish_rule_and_saving_cap() -> None:
 
 def test_max_ratio_caps_the_cuttlefish_rank() -> None:
     model = nn.Sequential(nn.Linear(64, 64))
-    _set_diag(model[0], [1.0] * 32)
+    set_diag(model[0], [1.0] * 32)
     tracker = StableRankTracker(model)
-    _set_diag(model[0], [1.0] * 10)  # the rule says 20
+    set_diag(model[0], [1.0] * 10)  # the rule says 20
     assert choose_ranks(tracker, max_ratio=0.25) == {"0": 16}  # budget: round(64/4)
     assert choose_ranks(tracker, max_ratio=0.5) == {"0": 20}  # under the budget: the rule's rank
     with pytest.raises(ValueError, match="max_ratio 0"):
@@ -178,9 +172,9 @@ def test_max_ratio_caps_the_cuttlefish_rank() -> None:
 
 def test_unsettled_layers_get_the_budget_rank() -> None:
     model = nn.Sequential(nn.Linear(64, 64))
-    _set_diag(model[0], [1.0] * 32)
+    set_diag(model[0], [1.0] * 32)
     tracker = StableRankTracker(model)
-    _set_diag(model[0], [1.0] * 4)  # the rule says 8
+    set_diag(model[0], [1.0] * 4)  # the rule says 8
     assert choose_ranks(tracker, max_ratio=0.25) == {"0": 8}
     assert choose_ranks(tracker, max_ratio=0.25, unsettled=["0"]) == {"0": 16}  # round(64/4)
     assert choose_ranks(tracker, unsettled=["0"]) == {"0": 8}  # no budget: the rule's rank
@@ -188,7 +182,7 @@ def test_unsettled_layers_get_the_budget_rank() -> None:
 
 def test_choose_ranks_from_model_needs_initial() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
-    _set_diag(model[0], [1.0] * 8)
+    set_diag(model[0], [1.0] * 8)
     with pytest.raises(ValueError, match="initialization"):
         choose_ranks(model)
     ranks = choose_ranks(model, initial={"0": 64.0}, keep=["1"])
@@ -197,7 +191,7 @@ def test_choose_ranks_from_model_needs_initial() -> None:
 
 def test_energy_rule_on_known_spectrum() -> None:
     model = nn.Sequential(nn.Linear(64, 64, bias=False))
-    _set_diag(model[0], [4.0, 3.0, 2.0, 1.0])  # σ² = 16, 9, 4, 1 of 30
+    set_diag(model[0], [4.0, 3.0, 2.0, 1.0])  # σ² = 16, 9, 4, 1 of 30
     for energy, rank in [(0.5, 1), (0.8, 2), (0.9, 3), (0.96, 3), (0.97, 4), (1.0, 4)]:
         assert choose_ranks(model, rule="energy", energy=energy) == {"0": rank}
 

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_auto import _set_diag
-from test_training import TINY, metrics, needs_fashion, run_cli, tiny_lm_args
+from helpers import TINY, metrics, needs_fashion, run_cli, set_diag, tiny_lm_args
 from torch import nn
 
 import pufferfish as pf
@@ -47,7 +46,7 @@ def test_recipe_auto_at_the_cap_reads_no_rank_from_a_stable_rank_still_falling()
     recipe = pf.Recipe(warmup_epochs="auto", rank_ratio="auto", max_warmup=2)
     for epoch in range(3):
         for i, counts in diagonals.items():
-            _set_diag(model[i], [1.0] * counts[epoch])
+            set_diag(model[i], [1.0] * counts[epoch])
         model, opt, _ = recipe.on_epoch_start(epoch, model, opt)
     assert recipe.switched and recipe.detector.reason == "cap"
     ranks = recipe.decisions["ranks"]

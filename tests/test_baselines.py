@@ -5,13 +5,11 @@ from __future__ import annotations
 import copy
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import metrics, needs_fashion, run_cli
 from torch import nn
 
 from pufferfish import models
@@ -28,8 +26,6 @@ from pufferfish.config import ConfigError, TrainConfig
 from pufferfish.configfile import load_config
 from pufferfish.training.checkpoint import latest_checkpoint
 
-FASHION = Path("/usr/share/datasets/fashion-mnist")
-needs_fashion = pytest.mark.skipif(not FASHION.exists(), reason="dataset-fashion-mnist missing")
 TINY = ["--model", "resnet18", "--width", "0.125", "--train-subset", "128", "--test-subset", "64",
         "--batch-size", "32", "--epochs", "1", "--rounds", "1", "--threads", "1", "--no-progress"]
 X = torch.zeros(1, 1, 28, 28)
@@ -234,15 +230,6 @@ def test_bad_baseline_config(overrides: dict, message: str) -> None:
 
 
 # -- end to end -----------------------------------------------------------------------------------
-
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pufferfish", *args], capture_output=True,
-                          text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 LTH_ARGS = [*TINY, "--mode", "lth", "--checkpoint-every-steps", "3"]

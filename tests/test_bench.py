@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import BENCH_TINY, needs_fashion
 
 from pufferfish import factorize
 from pufferfish.bench import projection as proj
@@ -25,14 +26,10 @@ from pufferfish.bench.runner import BenchConfig, time_to_accuracy
 from pufferfish.cli import main
 from pufferfish.models import build_model
 
-FASHION = Path("/usr/share/datasets/fashion-mnist")
-needs_fashion = pytest.mark.skipif(not FASHION.exists(), reason="dataset-fashion-mnist missing")
 needs_netns = pytest.mark.skipif(
     netns_available() is not None, reason=f"link emulation unavailable: {netns_available()}"
 )
 
-TINY = ["--model", "resnet18", "--width", "0.125", "--batch-size", "8", "--steps", "3",
-        "--warmup", "2", "--compute-steps", "3", "--threads", "1", "--no-probe"]
 CONTRACT = ("method", "bandwidth", "step_time", "compute_time", "comm_time", "compress_time",
             "bytes_per_step", "ring_bytes_per_step", "speedup_vs_ddp")
 
@@ -263,7 +260,7 @@ def test_bad_input_exits_2_with_one_line(args: list[str], needle: str, tmp_path:
 @pytest.fixture(scope="module")
 def loopback_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench-loopback")
-    rc = main(["bench", *TINY, "--methods", "ddp,pufferfish", "--bandwidth", "loopback",
+    rc = main(["bench", *BENCH_TINY, "--methods", "ddp,pufferfish", "--bandwidth", "loopback",
                "--rounds", "2", "--out", str(out)])
     assert rc == 0
     assert (out / "results.md").exists() and (out / "projection.json").exists()
@@ -345,7 +342,7 @@ def test_pufferfish_bytes_follow_the_parameter_count(loopback: list[dict[str, An
 @needs_netns
 def test_emulated_link_costs_communication_time(loopback: list[dict[str, Any]],
                                                 tmp_path: Path) -> None:
-    rc = main(["bench", *TINY, "--methods", "ddp", "--bandwidth", "100mbit", "--rounds", "1",
+    rc = main(["bench", *BENCH_TINY, "--methods", "ddp", "--bandwidth", "100mbit", "--rounds", "1",
                "--out", str(tmp_path)])
     assert rc == 0
     [emu] = json.loads((tmp_path / "results.json").read_text())["rows"]

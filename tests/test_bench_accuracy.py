@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import DDP_ROWS, PUFF_ROWS, accuracy_runs, write_train_run
 
 from pufferfish.bench import accuracy as acc
 from pufferfish.bench import projection as proj
 from pufferfish.bench.rounds import compute_check, round_plan, summarize
 from pufferfish.cli import main
-from pufferfish.configfile import dump_toml, load_config
-from pufferfish.training.metrics import MetricsWriter
 
 LINKS = ["loopback", "1gbit", "100mbit"]
 METHODS3 = ["ddp", "powersgd", "pufferfish"]
@@ -88,19 +87,6 @@ def test_compute_check_flags_a_link_dependent_compute() -> None:
 
 # -- time to accuracy ----------------------------------------------------------------------------
 
-# 12,800 examples over 2 workers at batch 64: 100 steps per epoch.
-DDP_ROWS = [{"epoch": 1, "test_acc": 0.80, "lowrank": False},
-            {"epoch": 2, "test_acc": 0.85, "lowrank": False},
-            {"epoch": 3, "test_acc": 0.90, "lowrank": False}]
-PUFF_ROWS = [{"epoch": 1, "test_acc": 0.80, "lowrank": False},
-             {"epoch": 2, "test_acc": 0.891, "lowrank": True},
-             {"epoch": 3, "test_acc": 0.896, "lowrank": True}]
-
-
-def _runs() -> dict[str, acc.AccuracyRun]:
-    return {"ddp": acc.AccuracyRun("ddp", "a", DDP_ROWS, 3, 64, 12_800),
-            "pufferfish": acc.AccuracyRun("pufferfish", "b", PUFF_ROWS, 3, 64, 12_800)}
-
 
 def test_wallclock_and_time_to_accuracy_known_numbers() -> None:
     assert acc.steps_per_epoch(12_800, 64, 2) == 100
@@ -121,7 +107,7 @@ def test_wallclock_and_time_to_accuracy_known_numbers() -> None:
 def test_measured_curves_targets_and_speedup_bounds() -> None:
     steps = {("100mbit", "ddp"): acc.StepTime(1.0, 0.9, 1.2),
              ("100mbit", "pufferfish"): acc.StepTime(0.5, 0.4, 0.6)}
-    curves = acc.measured_curves(_runs(), steps, ["100mbit", "1gbit"], workers=2)
+    curves = acc.measured_curves(accuracy_runs(), steps, ["100mbit", "1gbit"], workers=2)
     assert [(c.regime, c.method) for c in curves] == [("100mbit", "ddp"), ("100mbit", "pufferfish")]
     ddp, puff = curves
     assert ddp.times == [100.0, 200.0, 300.0] and ddp.low == pytest.approx([90, 180, 270])
@@ -145,7 +131,7 @@ def test_measured_curves_targets_and_speedup_bounds() -> None:
 def test_projection_scales_compute_to_the_given_gpu_time() -> None:
     profiles = [proj.CommProfile.for_method("ddp", 0.2, 0.0, 1e6),
                 proj.CommProfile.for_method("pufferfish", 0.1, 0.0, 0.25e6)]
-    curves, info = acc.projected_curves(_runs(), profiles, compute_ms=10.0, workers=(8,),
+    curves, info = acc.projected_curves(accuracy_runs(), profiles, compute_ms=10.0, workers=(8,),
                                         bandwidths=(1e9,), alpha=0.0)
     assert info["scale"] == pytest.approx(0.05) and info["lowrank_compute_ratio"] == 0.5
     ddp, puff = curves
@@ -160,18 +146,6 @@ def test_projection_scales_compute_to_the_given_gpu_time() -> None:
 
 
 # -- the CLI path: --from-results + --accuracy-runs + --compute-ms ---------------------------------
-
-
-def _train_run(path: Path, rows: list[dict[str, Any]], **overrides: Any) -> Path:
-    """A `pufferfish train` run directory: its config.toml and metrics.jsonl."""
-    values = {"model": "resnet18", "width": 0.25, "data": "fashion-mnist", "batch_size": 64,
-              "epochs": 3, "train_subset": 12_800, "mode": "full", **overrides}
-    path.mkdir(parents=True)
-    (path / "config.toml").write_text(dump_toml(load_config(None, values)))
-    writer = MetricsWriter(path)
-    for row in rows:
-        writer.write({**row, "epoch_time": 1.0})
-    return path
 
 
 def _bench_results(path: Path) -> Path:
@@ -202,8 +176,8 @@ def _bench_results(path: Path) -> Path:
 
 
 def test_time_to_accuracy_from_saved_step_times(tmp_path: Path) -> None:
-    ddp = _train_run(tmp_path / "full", DDP_ROWS)
-    puff = _train_run(tmp_path / "puff", PUFF_ROWS, mode="pufferfish", warmup_epochs="1")
+    ddp = write_train_run(tmp_path / "full", DDP_ROWS)
+    puff = write_train_run(tmp_path / "puff", PUFF_ROWS, mode="pufferfish", warmup_epochs="1")
     saved = _bench_results(tmp_path / "saved.json")
     out = tmp_path / "out"
     rc = main(["bench", "--from-results", str(saved), "--accuracy-runs",
@@ -232,7 +206,7 @@ def test_time_to_accuracy_from_saved_step_times(tmp_path: Path) -> None:
 
 def test_accuracy_run_of_another_batch_is_refused(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    ddp = _train_run(tmp_path / "full", DDP_ROWS, batch_size=128)
+    ddp = write_train_run(tmp_path / "full", DDP_ROWS, batch_size=128)
     saved = _bench_results(tmp_path / "saved.json")
     rc = main(["bench", "--from-results", str(saved), "--accuracy-runs", f"ddp={ddp}",
                "--out", str(tmp_path / "out")])
@@ -247,11 +221,11 @@ def test_runs_of_one_process_at_the_same_global_batch_are_timed_as_the_bench_ste
     # One GPU at batch 128 makes the same steps per epoch as the bench's 2 workers x 64: with
     # --accuracy-processes 1 its curve is timed exactly like the 2 x 64 run's.
     saved = _bench_results(tmp_path / "saved.json")
-    one = {m: _train_run(tmp_path / f"one-{m}", rows, batch_size=128, **extra)
+    one = {m: write_train_run(tmp_path / f"one-{m}", rows, batch_size=128, **extra)
            for m, rows, extra in (("ddp", DDP_ROWS, {}),
                                   ("pufferfish", PUFF_ROWS, {"mode": "pufferfish",
                                                              "warmup_epochs": "1"}))}
-    two = {m: _train_run(tmp_path / f"two-{m}", rows, **extra)
+    two = {m: write_train_run(tmp_path / f"two-{m}", rows, **extra)
            for m, rows, extra in (("ddp", DDP_ROWS, {}),
                                   ("pufferfish", PUFF_ROWS, {"mode": "pufferfish",
                                                              "warmup_epochs": "1"}))}
@@ -279,7 +253,7 @@ def test_runs_of_one_process_at_the_same_global_batch_are_timed_as_the_bench_ste
 
 
 def test_full_rank_method_with_low_rank_epochs_is_refused(tmp_path: Path) -> None:
-    run = _train_run(tmp_path / "x", PUFF_ROWS)  # a "full" config but low-rank rows
+    run = write_train_run(tmp_path / "x", PUFF_ROWS)  # a "full" config but low-rank rows
     with pytest.raises(ValueError, match="low-rank epochs but ddp is full-rank"):
         acc.load_accuracy_runs(f"ddp={run}", model="resnet18", width=0.25, batch_size=64,
                                powersgd_rank=4)
@@ -290,7 +264,7 @@ def test_runs_too_small_for_an_epoch_are_refused_naming_the_flag(
     # 2,000 examples: 15 steps per epoch on the bench's 2 workers, none at the projection's 64
     # (2000 // 64 < 64): an epoch of no steps takes no time, which was a ZeroDivisionError.
     saved = _bench_results(tmp_path / "saved.json")
-    runs = {m: _train_run(tmp_path / m, DDP_ROWS, train_subset=n) for m, n in
+    runs = {m: write_train_run(tmp_path / m, DDP_ROWS, train_subset=n) for m, n in
             (("ddp", 2000), ("tiny", 100))}
     rc = main(["bench", "--from-results", str(saved), "--accuracy-runs", f"ddp={runs['ddp']}",
                "--compute-ms", "12", "--out", str(tmp_path / "a")])

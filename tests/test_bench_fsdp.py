@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_bench import TINY, needs_fashion
+from helpers import BENCH_TINY, DDP_ROWS, PUFF_ROWS, needs_fashion, write_train_run
 
 from pufferfish.bench import accuracy as acc
 from pufferfish.bench import projection as proj
@@ -27,7 +27,7 @@ ALL4 = "ddp,pufferfish,fsdp,pufferfish+fsdp"
 def side_by_side(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     """DDP and FSDP2, full rank and Pufferfish, in one loopback worker group."""
     out = tmp_path_factory.mktemp("bench-fsdp")
-    assert main(["bench", *TINY, "--methods", ALL4, "--rounds", "1", "--steps", "2",
+    assert main(["bench", *BENCH_TINY, "--methods", ALL4, "--rounds", "1", "--steps", "2",
                  "--compute-steps", "1", "--out", str(out)]) == 0
     return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
 
@@ -172,11 +172,10 @@ def _fsdp_results(path: Path) -> Path:
 
 def test_accuracy_runs_under_fsdp_take_fsdp_as_the_target(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from test_bench_accuracy import DDP_ROWS, PUFF_ROWS, _train_run
 
     saved = _fsdp_results(tmp_path / "saved.json")
-    full = _train_run(tmp_path / "full", DDP_ROWS, parallel="fsdp")
-    puff = _train_run(tmp_path / "puff", PUFF_ROWS, mode="pufferfish", warmup_epochs="1",
+    full = write_train_run(tmp_path / "full", DDP_ROWS, parallel="fsdp")
+    puff = write_train_run(tmp_path / "puff", PUFF_ROWS, mode="pufferfish", warmup_epochs="1",
                       parallel="fsdp")
     out = tmp_path / "out"
     assert main(["bench", "--from-results", str(saved), "--accuracy-runs",
@@ -191,7 +190,7 @@ def test_accuracy_runs_under_fsdp_take_fsdp_as_the_target(
     md = (out / "results.md").read_text()
     assert "Targets: FSDP2's final 90.00%" in md and "## Sharded data parallel (FSDP2)" in md
     # A run trained under DDP does not stand for an FSDP2 method.
-    ddp_run = _train_run(tmp_path / "ddp-run", DDP_ROWS)
+    ddp_run = write_train_run(tmp_path / "ddp-run", DDP_ROWS)
     assert main(["bench", "--from-results", str(saved), "--accuracy-runs", f"fsdp={ddp_run}",
                  "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_bench_accuracy import DDP_ROWS, PUFF_ROWS, _runs, _train_run
+from helpers import DDP_ROWS, PUFF_ROWS, accuracy_runs, write_train_run
 
 from pufferfish.bench import projection as proj
 from pufferfish.bench.bandwidth import parse_link
@@ -169,8 +169,8 @@ def _results_json(path: Path) -> Path:
 @pytest.mark.parametrize("compute_ms", ["10", "full=10,factorized=4"])
 def test_time_to_accuracy_at_two_latencies(tmp_path: Path, compute_ms: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    ddp = _train_run(tmp_path / "full", DDP_ROWS)
-    puff = _train_run(tmp_path / "puff", PUFF_ROWS, mode="pufferfish", warmup_epochs="1")
+    ddp = write_train_run(tmp_path / "full", DDP_ROWS)
+    puff = write_train_run(tmp_path / "puff", PUFF_ROWS, mode="pufferfish", warmup_epochs="1")
     out = tmp_path / "out"
     rc = main(["bench", "--from-results", str(_results_json(tmp_path / "saved.json")),
                "--accuracy-runs", f"ddp={ddp},pufferfish={puff}", "--compute-ms", compute_ms,
@@ -205,7 +205,7 @@ def test_projected_curves_take_the_factorized_figure() -> None:
 
     profiles = [proj.CommProfile.for_method("ddp", 0.2, 0.0, 1e6),
                 proj.CommProfile.for_method("pufferfish", 0.1, 0.0, 0.25e6)]
-    curves, info = acc.projected_curves(_runs(), profiles, compute_ms=10.0, workers=(8,),
+    curves, info = acc.projected_curves(accuracy_runs(), profiles, compute_ms=10.0, workers=(8,),
                                         bandwidths=(1e9,), alpha=0.0, factorized_ms=3.0)
     assert info["factorized_scale"] == pytest.approx(0.03) and not info["assumes_cpu_ratio"]
     # Pufferfish after the switch: 3 ms compute + 2*7/8 * 2e6 bit / 1 Gbit/s = 6.5 ms.

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_training import free_port
+from helpers import free_port
 
 from pufferfish.bench.config import BenchConfig
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_training import needs_fashion
+from helpers import needs_fashion
 
 from pufferfish.bench.progress import TrainingProgress, duration
 from pufferfish.cli import main

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_training import free_port, run_cli
+from helpers import free_port, run_cli
 
 from pufferfish.bench import Workload
 from pufferfish.bench.launched import TORCHRUN_LINK

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_reliability import cli
-from test_training import TINY, metrics, needs_fashion
+from helpers import TINY, cli, metrics, needs_fashion
 
 from pufferfish.cli import _parser
 from pufferfish.config import TrainConfig

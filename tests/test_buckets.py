@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_reliability import SMALL
-from test_training import needs_fashion, report_to_parent, run_cli, run_worker_pair
+from helpers import SMALL, needs_fashion, report_to_parent, run_cli, run_worker_pair
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch._dynamo.utils as dynamo_utils
-from test_training import tiny_corpus
+from helpers import tiny_corpus
 
 from pufferfish.config import TrainConfig
 from pufferfish.method import PufferfishMethod

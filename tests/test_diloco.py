@@ -17,8 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_reliability import cli
-from test_training import metrics, needs_fashion, run_cli
+from helpers import DILOCO_ARGS, cli, llama_args, metrics, needs_fashion, run_cli
 from torch import nn
 
 from pufferfish.distributed.diloco import DiLoCoState
@@ -242,19 +241,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path,
 
 # -- end to end: pufferfish train under torchrun ----------------------------------------------
 
-# 256 examples, 32 per process, 2 processes: 4 steps per epoch; outer steps every 2 steps; the
-# switch before epoch 1 (global step 4) is on an outer-step boundary.
-ARGS = ["--model", "resnet18", "--width", "0.125", "--test-subset", "64", "--batch-size", "32",
-        "--threads", "1", "--no-progress", "--train-subset", "256", "--lr", "0.05", "--epochs", "2",
-        "--warmup-epochs", "1", "--sync", "diloco", "--inner-steps", "2",
-        "--checkpoint-every-steps", "2", "--outer-switch-momentum", "project"]
-
 
 @needs_fashion
 def test_metrics_count_the_bytes_of_the_outer_steps(uninterrupted: Callable[..., Path]) -> None:
     """Outer steps every 2 steps; after the switch an outer step ships the factors: under half
     the bytes. (The same run, killed and resumed: test_elastic.py.)"""
-    rows = metrics(uninterrupted(ARGS))
+    rows = metrics(uninterrupted(DILOCO_ARGS))
     assert [r["outer_steps"] for r in rows] == [2, 4]
     assert rows[1]["comm_bytes_per_step"] == rows[1]["comm_bytes_per_outer_step"] / 2
     assert rows[1]["comm_bytes_per_outer_step"] < rows[0]["comm_bytes_per_outer_step"] / 2
@@ -267,7 +259,6 @@ def test_a_switch_in_steps_waits_for_the_next_outer_step(tmp_path: Path, warmup:
     """6 steps an epoch, outer steps every 4 and at each epoch's end: ``--warmup-steps 2``
     switches before step 4, ``5`` before step 6 (the next epoch), each on the weights the outer
     step just synchronized (the factors are checked equal on both ranks)."""
-    from test_llama import llama_args
 
     out = tmp_path / "run"
     result = run_cli("train", *llama_args(tmp_path, "--train-subset", "800", "--epochs", "2",

@@ -19,16 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fsdp import SMALL, full_state, torchrun
-from test_reliability import TIMES, cli
-from test_training import free_port, metrics, needs_fashion
+from helpers import FSDP_SMALL, TIMES, cli, free_port, full_state, metrics, needs_fashion, torchrun
 
 from pufferfish.distributed.replicas import grid
 
 WORKER = Path(__file__).with_name("diloco_fsdp_worker.py")
 # 256 examples, 16 per process, 4 processes: 4 steps per epoch; outer steps every 2 steps; the
 # switch before epoch 1 (global step 4) is on an outer-step boundary; checkpoints at 2, 4, 6, 8.
-ARGS = [*SMALL, "--batch-size", "16", "--train-subset", "256", "--lr", "0.05", "--epochs", "2",
+ARGS = [*FSDP_SMALL, "--batch-size", "16", "--train-subset", "256", "--lr", "0.05", "--epochs", "2",
         "--warmup-epochs", "1", "--preset", "paper", "--parallel", "fsdp", "--sync", "diloco",
         "--inner-steps", "2", "--checkpoint-every-steps", "2"]
 
@@ -168,5 +166,5 @@ def test_the_grid_and_its_refusals() -> None:
 ])
 def test_bad_settings_are_one_line_and_exit_2(argv: list[str], message: str, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = cli(["train", *SMALL, "--out", str(tmp_path / "r"), *argv], capsys)
+    code, _, err = cli(["train", *FSDP_SMALL, "--out", str(tmp_path / "r"), *argv], capsys)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

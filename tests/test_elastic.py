@@ -20,10 +20,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_diloco import ARGS as DILOCO
-from test_fsdp import SWITCHED, full_state
-from test_reliability import SMALL, TIMES, files_with_digests
-from test_training import free_port, metrics, needs_fashion
+from helpers import (
+    DILOCO_ARGS,
+    SMALL,
+    SWITCHED,
+    TIMES,
+    files_with_digests,
+    free_port,
+    full_state,
+    metrics,
+    needs_fashion,
+)
 
 from pufferfish.training import rundir
 from pufferfish.training.checkpoint import latest_checkpoint
@@ -37,7 +44,7 @@ ELASTIC = [*SMALL, "--train-subset", "256", "--lr", "0.05", "--epochs", "2", "--
 LAYOUTS: dict[str, tuple[list[str], int]] = {
     "ddp": (ELASTIC, 2),
     "fsdp": ([*SWITCHED, "--parallel", "fsdp"], 2),
-    "diloco": (DILOCO, 2),
+    "diloco": (DILOCO_ARGS, 2),
 }
 # What a resumed run may change: the metrics, to which it appends the epochs it finishes.
 APPENDED = {"metrics.jsonl", "metrics.csv"}

@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_llama import llama_args
-from test_training import run_cli
+from helpers import llama_args, run_cli
 
 from pufferfish.training.checkpoint import latest_checkpoint
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_training import TINY, metrics, needs_fashion, run_cli
+from helpers import TINY, metrics, needs_fashion, run_cli
 
 from pufferfish.config import ConfigError, TrainConfig
 from pufferfish.configfile import load_config

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_training import needs_fashion, run_cli
+from helpers import needs_fashion, run_cli
 
 import pufferfish
 from pufferfish.cli import _parser, main
@@ -98,7 +98,7 @@ def test_download_reads_the_images_where_it_put_them(
     official ones, so none is checked), so nothing is fetched."""
     import shutil
 
-    from test_training import FASHION
+    from helpers import FASHION
 
     from pufferfish.data import images
 

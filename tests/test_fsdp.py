@@ -9,49 +9,28 @@ bitwise exactly from the sharded checkpoint before and after the switch; a check
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from test_reliability import cli
-from test_training import free_port, metrics, needs_fashion, run_cli
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from helpers import (
+    FSDP_SMALL,
+    SWITCHED,
+    cli,
+    full_state,
+    metrics,
+    needs_fashion,
+    run_cli,
+    torchrun,
+)
 
 from pufferfish.distributed.fsdp import fsdp_units
 from pufferfish.models import build_at_width
 from pufferfish.training import checkpoint as ck
 
-SMALL = ["--model", "resnet18", "--width", "0.125", "--test-subset", "64", "--batch-size", "32",
-         "--threads", "1", "--no-progress", "--no-channels-last"]
-# 256 examples, 32 per process and 2 processes: 4 steps per epoch; the switch is at global step 4.
-SWITCHED = [*SMALL, "--train-subset", "256", "--lr", "0.05", "--epochs", "2", "--warmup-epochs",
-            "1", "--checkpoint-every-steps", "2", "--preset", "paper"]
 WORKER = Path(__file__).with_name("fsdp_worker.py")
-
-
-def torchrun(nproc: int, *args: str, env: dict[str, str] | None = None,
-             ) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-
-
-def full_state(run: Path) -> tuple[dict, dict]:
-    """The newest checkpoint of ``run``: its payload and its sharded part as full tensors."""
-    found = ck.latest_checkpoint(run)
-    assert found is not None
-    payload, path = found
-    with tempfile.TemporaryDirectory() as tmp:  # not in the run: it may be shared
-        out = Path(tmp) / "full.pt"
-        dcp_to_torch_save(path.with_suffix(".dcp"), out)
-        return payload, torch.load(out, weights_only=True)
 
 
 def test_units_are_the_blocks_of_any_container() -> None:
@@ -71,7 +50,7 @@ def test_units_are_the_blocks_of_any_container() -> None:
 ])
 def test_refusals_are_one_line_and_exit_2(argv: list[str], message: str, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = cli(["train", *SMALL, "--epochs", "3", "--out", str(tmp_path / "r"), *argv],
+    code, _, err = cli(["train", *FSDP_SMALL, "--epochs", "3", "--out", str(tmp_path / "r"), *argv],
                        capsys)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_lm_optimizer import tiny_transformer_args
-from test_training import metrics, run_cli
+from helpers import metrics, run_cli, tiny_transformer_args
 
 from pufferfish.config import TrainConfig
 from pufferfish.models import build_at_width

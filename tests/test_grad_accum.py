@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_llama import llama_args
-from test_training import (
+from helpers import (
     free_port,
     killed_and_resumed,
+    llama_args,
     metrics,
     needs_fashion,
     report_to_parent,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training import metrics, run_cli, tiny_corpus
+from helpers import llama_args, metrics, run_cli, tiny_corpus
 
 import pufferfish as pf
 from pufferfish.configfile import load_config
@@ -181,11 +181,6 @@ def test_packed_batches_shard_disjointly_with_equal_steps() -> None:
 
 
 # -- training: 2 processes through the switch, and bad input -----------------------------------
-
-def llama_args(tmp_path: Path, *extra: str) -> list[str]:
-    return ["--model", "llama", "--width", "0.0625", "--data", str(tiny_corpus(tmp_path)),
-            "--cache-dir", str(tmp_path / "cache"), "--vocab-size", "280", "--seq-len", "16",
-            "--batch-size", "4", "--lr", "0.1", "--threads", "1", "--no-progress", *extra]
 
 
 def test_two_process_llama_switches_and_reports_validation_perplexity(tmp_path: Path) -> None:

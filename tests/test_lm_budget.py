@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
-from test_training import metrics, run_cli, tiny_corpus
+from helpers import metrics, run_cli, tiny_corpus
 
 from pufferfish.config import ConfigError, TrainConfig
 from pufferfish.data import bpe as bpe_module

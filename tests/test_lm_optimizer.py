@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training import killed_and_resumed, metrics, run_cli, tiny_corpus
+from helpers import killed_and_resumed, metrics, run_cli, tiny_transformer_args
 from torch import nn
 
 import pufferfish as pf
@@ -18,14 +18,6 @@ from pufferfish.models import build_at_width
 from pufferfish.switch import projected_state
 from pufferfish.training.checkpoint import latest_checkpoint
 from pufferfish.training.optim import build_optimizer
-
-
-def tiny_transformer_args(tmp_path: Path, *extra: str) -> list[str]:
-    """A 4-layer transformer of width 32 on :func:`tiny_corpus`: 59 steps per epoch."""
-    return ["--model", "transformer", "--width", "0.125", "--data", str(tiny_corpus(tmp_path)),
-            "--batch-size", "4", "--bptt", "10", "--optimizer", "adamw", "--lr", "0.003",
-            "--weight-decay", "0.1", "--schedule", "cosine", "--lr-warmup-epochs", "0.2",
-            "--threads", "1", "--no-progress", *extra]
 
 
 def _names(model: nn.Module, params: list[torch.Tensor]) -> set[str]:

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import rel_err
+from helpers import rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn

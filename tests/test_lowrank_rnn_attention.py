@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import rel_err
+from helpers import rel_err
 from torch import nn
 
 from pufferfish.lowrank import LowRankLSTM, LowRankMultiheadAttention, low_rank_class_for, merge

@@ -12,8 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from test_readme import _kind, python_blocks
-from test_training import TINY, metrics, needs_fashion
+from helpers import TINY, block_kind, metrics, needs_fashion, python_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +73,7 @@ def test_installed_in_a_clean_virtualenv_it_runs_from_anywhere(wheel: Path,
     where = run(str(venv / "bin" / "python"), "-c", "import pufferfish; print(pufferfish.__file__)")
     assert where.stdout.startswith(str(site)), where.stdout + where.stderr
     assert run(str(venv / "bin" / "pufferfish"), "--help").returncode == 0
-    examples = [b for b in python_blocks() if _kind(b) == "plain"]
+    examples = [b for b in python_blocks() if block_kind(b) == "plain"]
     library = run(str(venv / "bin" / "python"), "-c", "\n".join(examples))
     assert library.returncode == 0, library.stderr[-2000:]
     train = run(str(venv / "bin" / "pufferfish"), "train", "--config", "resnet18_fashion", *TINY,

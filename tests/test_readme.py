@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_training import free_port, needs_fashion
+from helpers import block_kind, free_port, needs_fashion, python_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -51,10 +51,6 @@ NOT_RUN = {"make demo": "the demo itself (11 minutes)", "make test": "the test s
               for what in ("pufferfish", "'pufferfish[lm]'", "'pufferfish[galore]'")}}
 
 
-def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README, re.S)
-
-
 def commands() -> list[str]:
     """Every command line of the README's bash blocks, continuation lines joined."""
     found = []
@@ -66,16 +62,6 @@ def commands() -> list[str]:
     return found
 
 
-def _kind(block: str) -> str:
-    if "accelerator" in block:
-        return "accelerate"
-    if "transformers" in block:
-        return "hf"
-    if "lightning" in block:
-        return "lightning"
-    return "plain"
-
-
 def test_the_library_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each block runs as it is, in a namespace of its own: its imports are its own, and only
     what its comment names as the user's (a trainer's model and data) is given to it."""
@@ -85,7 +71,7 @@ def test_the_library_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     import lightning_trainer_run as lt
 
     monkeypatch.chdir(tmp_path)  # where the trainers write their logs
-    kinds = [_kind(b) for b in python_blocks()]
+    kinds = [block_kind(b) for b in python_blocks()]
     assert {"plain", "hf", "lightning", "accelerate"} <= set(kinds)
     recipes = []
     for block, kind in zip(python_blocks(), kinds, strict=True):
@@ -125,7 +111,7 @@ loader = DataLoader(Tokens(), batch_size=4)
 
 def test_the_accelerate_example_under_torchrun_exits_cleanly(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
-    (block,) = [b for b in python_blocks() if _kind(b) == "accelerate"]
+    (block,) = [b for b in python_blocks() if block_kind(b) == "accelerate"]
     assert block.rstrip().splitlines()[-1].startswith("exit_process(0)")
     script = tmp_path / "train.py"
     script.write_text(ACCELERATE_SETUP.format(tests=str(ROOT / "tests")) + block)

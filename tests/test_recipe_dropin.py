@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_training import report_to_parent, run_worker_pair
+from helpers import report_to_parent, run_worker_pair
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import lr_scheduler

@@ -9,7 +9,6 @@ refused without running anything.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
@@ -23,7 +22,18 @@ from typing import Any
 
 import pytest
 import torch
-from test_training import free_port, metrics, needs_fashion, run_cli, tiny_lm_args
+from helpers import (
+    SMALL,
+    cli,
+    files_with_digests,
+    finish,
+    free_port,
+    metrics,
+    needs_fashion,
+    run_cli,
+    tiny_lm_args,
+    write_idx,
+)
 
 from pufferfish.cli import main
 from pufferfish.config import TrainConfig
@@ -31,10 +41,6 @@ from pufferfish.configfile import dump_toml
 from pufferfish.training import checkpoint as ck
 from pufferfish.training.checkpoint import latest_checkpoint, save_checkpoint
 from pufferfish.training.rundir import record_run
-
-SMALL = ["--model", "resnet18", "--width", "0.125", "--test-subset", "64", "--batch-size", "32",
-         "--threads", "1", "--no-progress"]
-TIMES = {"epoch_time", "compute_time", "data_time", "comm_time", "compress_time"}
 
 
 def launch(rank: int, world: int, port: int, args: list[str],
@@ -45,16 +51,6 @@ def launch(rank: int, world: int, port: int, args: list[str],
             "LOCAL_RANK": str(rank), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "pufferfish", "train", *args], env=full,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"process hung:\n{err[-3000:]}")
-    return proc.returncode, out, err
 
 
 # -- resume after a kill (elastic restarts under torchrun: test_elastic.py) ----------------
@@ -121,12 +117,6 @@ def test_mismatched_configs_stop_every_rank_by_name(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def _write_idx(path: Path, magic: int, dims: list[int], payload: bytes) -> None:
-    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in dims)
-    with gzip.open(path, "wb") as f:
-        f.write(header + payload)
-
-
 def fake_fashion(directory: Path, n: int = 64, seed: int = 0, **broken: Any) -> Path:
     """A tiny Fashion-MNIST look-alike; ``broken`` overrides one file's magic/dims/payload."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -141,7 +131,7 @@ def fake_fashion(directory: Path, n: int = 64, seed: int = 0, **broken: Any) -> 
                 magic = broken.get("magic", magic)
                 dims = broken.get("dims", dims)
                 payload = broken.get("payload", payload)
-            _write_idx(directory / name, magic, dims, payload)
+            write_idx(directory / name, magic, dims, payload)
     return directory
 
 
@@ -251,16 +241,6 @@ def _plant(run: Path, step: int, obj: Any) -> Path:
         "format": ck.MANIFEST_FORMAT, "version": ck.MANIFEST_VERSION, "file": pt.name,
         "step": step, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
     return pt
-
-
-def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """``pufferfish ARGV`` in this process: (exit status, stdout, stderr)."""
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = int(e.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @needs_fashion
@@ -408,11 +388,6 @@ def test_interrupt_during_a_checkpoint_write_is_deferred(tmp_path: Path) -> None
 
 
 # -- nothing the user made is deleted unasked ----------------------------------------------------
-
-def files_with_digests(directory: Path) -> dict[str, str]:
-    """Every file under ``directory`` and its SHA-256: what "nothing was changed" compares."""
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def _unreadable_run(tmp_path: Path) -> tuple[Path, list[str]]:

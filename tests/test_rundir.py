@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_reliability import cli, files_with_digests, finish
-from test_training import metrics, needs_fashion, run_cli
+from helpers import cli, files_with_digests, finish, metrics, needs_fashion, run_cli
 from torch import nn
 
 import pufferfish as pf

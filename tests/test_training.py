@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,112 +10,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import (
+    TINY,
+    free_port,
+    killed_and_resumed,
+    metrics,
+    needs_fashion,
+    run_cli,
+    write_idx,
+)
 from torch import nn
 
 import pufferfish as pf
 from pufferfish.configfile import load_config
 from pufferfish.distributed.env import cleanup, exit_process
 from pufferfish.training.checkpoint import latest_checkpoint
-
-FASHION = Path("/usr/share/datasets/fashion-mnist")
-needs_fashion = pytest.mark.skipif(not FASHION.exists(), reason="dataset-fashion-mnist missing")
-
-TINY = ["--model", "resnet18", "--width", "0.125", "--train-subset", "256", "--val-subset", "64",
-        "--test-subset", "64", "--batch-size", "32", "--lr", "0.05", "--threads", "1",
-        "--no-progress"]
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None, torchrun: int = 0,
-            timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
-               "--master-port", str(free_port()), "-m", "pufferfish", *args]
-    else:
-        cmd = [sys.executable, "-m", "pufferfish", *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
-                          cwd=cwd)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def killed_and_resumed(args: list[str], tmp_path: Path, kill_step: int) -> tuple[Path, Path]:
-    """``train args`` uninterrupted (``ref``) and SIGKILLed at ``kill_step`` then resumed
-    (``run``): the two run directories, for a test to compare."""
-    ref = tmp_path / "ref"
-    assert run_cli("train", *args, "--out", str(ref)).returncode == 0
-    run, marker = tmp_path / "run", tmp_path / "killed"
-    killed = run_cli("train", *args, "--out", str(run), env={
-        "PUFFERFISH_KILL_AT_STEP": str(kill_step), "PUFFERFISH_KILL_MARKER": str(marker)})
-    assert killed.returncode == -9 and marker.exists()
-    resumed = run_cli("train", "--resume", str(run), "--no-progress")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
-    return ref, run
-
-
-def report_to_parent(rank: int, port: int, queue: Any, work: Any) -> None:
-    """Worker side of :func:`run_worker_pair`: join a 2-process gloo group, put ``(rank,
-    work())`` on ``queue`` (or the error's repr, so the parent fails instead of hanging), then
-    a drained teardown and no interpreter shutdown (pufferfish.distributed.env)."""
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    finished = False
-    try:
-        queue.put((rank, work()))
-        finished = True
-    except Exception as error:
-        queue.put((rank, repr(error)))
-        raise
-    finally:
-        queue.close()
-        queue.join_thread()  # the result is sent before the process ends
-        cleanup(drain=finished)
-    exit_process(0)
-
-
-def run_worker_pair(target: Any, timeout: float = 180) -> dict[int, Any]:
-    """``target(rank, port, queue)`` in two spawned processes; rank -> the dict it put on the
-    queue (a worker that failed puts its error's repr instead, which fails here)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=timeout) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for rank, result in results.items():
-        assert isinstance(result, dict), f"rank {rank}: {result}"
-    return results
-
-
-def tiny_corpus(tmp_path: Path) -> Path:
-    """A 2,400-word text file of 50 made-up words: a language model's data in milliseconds."""
-    import random
-
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(50)]
-    text = tmp_path / "corpus.txt"
-    text.write_text("\n".join(" ".join(rng.choices(words, k=12)) for _ in range(200)) + "\n")
-    return text
-
-
-def tiny_lm_args(tmp_path: Path, *extra: str) -> list[str]:
-    """`pufferfish train` flags for a tiny 2-layer LSTM on :func:`tiny_corpus` (60 steps/epoch)."""
-    return ["--model", "lstm", "--width", "0.02", "--data", str(tiny_corpus(tmp_path)),
-            "--batch-size", "4", "--bptt", "10", "--lr", "1", "--threads", "1", "--no-progress",
-            *extra]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @needs_fashion
@@ -260,12 +164,6 @@ def test_resume_gives_the_same_final_parameters(tmp_path: Path, kill_step: int) 
         assert x["test_acc"] == y["test_acc"] and x["train_loss"] == pytest.approx(y["train_loss"])
 
 
-def _write_idx(path: Path, magic: int, dims: list[int], payload: bytes) -> None:
-    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in dims)
-    with gzip.open(path, "wb") as f:
-        f.write(header + payload)
-
-
 @pytest.mark.parametrize("args,message", [
     (["--model", "alexnet"], "model 'alexnet' is invalid: allowed resnet18"),
     (["--epochs", "2", "--warmup-epochs", "2"], "--warmup-epochs 2 is invalid with --epochs 2"),
@@ -297,10 +195,10 @@ def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
 
 def test_corrupt_idx_file_exits_2(tmp_path: Path) -> None:
     n = 8
-    _write_idx(tmp_path / "train-images-idx3-ubyte.gz", 2051, [n, 28, 28], bytes(n * 784))
-    _write_idx(tmp_path / "train-labels-idx1-ubyte.gz", 2049, [n], bytes(n))
-    _write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", 2051, [n, 28, 28], bytes(n * 100))  # cut
-    _write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", 2049, [n], bytes(n))
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", 2051, [n, 28, 28], bytes(n * 784))
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", 2049, [n], bytes(n))
+    write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", 2051, [n, 28, 28], bytes(n * 100))  # cut
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", 2049, [n], bytes(n))
     result = run_cli("train", *TINY, "--train-subset", "8", "--data-dir", str(tmp_path),
                      "--out", str(tmp_path / "run"))
     assert result.returncode == 2

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_corpus
 
 from pufferfish.cli import main
 from pufferfish.configfile import dump_toml, load_config
@@ -139,7 +140,6 @@ def test_factorize_refuses_a_width_that_is_not_positive(
 
 
 def _lm(tmp_path: Path, *extra: str) -> list[str]:
-    from test_training import tiny_corpus
 
     return ["train", "--model", "llama", "--width", "0.0625", "--data",
             str(tiny_corpus(tmp_path)), "--cache-dir", str(tmp_path / "cache"), "--vocab-size",
@@ -241,7 +241,6 @@ def test_a_short_run_scales_its_milestones_and_warm_up_to_its_steps() -> None:
 
 
 def test_the_warmup_banner(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from test_training import tiny_corpus
 
     from pufferfish.training.metrics import read_metrics
 
