@@ -19,6 +19,7 @@ from ..galore import galore_optimizer, galore_ranks
 from ..lowrank import factorize
 from ..lowrank.counting import count_params
 from ..models import build_at_width
+from ..models.memory_format import to_channels_last
 from ..training.optim import build_optimizer
 from ..training.step import Replica, train_step
 
@@ -44,7 +45,7 @@ def build_model(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, 
     if factorized:
         factorize(model, rank_ratio=PUFFERFISH_RANK_RATIO, preset="paper")
     if args.channels_last:  # as training stores them (TrainConfig.channels_last)
-        model.to(memory_format=torch.channels_last)
+        to_channels_last(model)
     if args.compile:
         model.compile()
     return model, full
