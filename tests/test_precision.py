@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
+import os
+import random
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
-from test_training import run_cli, tiny_lm_args
 from torch import nn
 
 from pufferfish.config import TrainConfig
 from pufferfish.training.precision import bf16_refused, recurrent_kinds
 
 # oneDNN capped at AVX2 (an AMD EPYC's kernels, on any x86 CPU): no bf16 LSTM.
-AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
+
+
+def torchrun_train(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``pufferfish train ARGS`` on 2 processes under the AVX2 ISA, a tiny LSTM on 2,400 words
+    (self-contained: no test file imports another; main's tests/helpers.py has run_cli)."""
+    rng = random.Random(0)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(rng.choices([f"w{i}" for i in range(50)], k=12))
+                                for _ in range(200)) + "\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+         str(port), "-m", "pufferfish", "train", "--model", "lstm", "--width", "0.02", "--data",
+         str(corpus), "--batch-size", "4", "--bptt", "10", "--threads", "1", "--no-progress",
+         *args], capture_output=True, text=True, timeout=240, env={**os.environ, **AVX2})
 
 
 def test_only_models_with_recurrent_layers_are_probed() -> None:
@@ -33,8 +54,7 @@ def test_the_probe_leaves_the_random_state_as_it_was() -> None:
 def test_amp_lstm_run_is_refused_in_one_line_without_a_bf16_kernel(
         tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = run_cli("train", *tiny_lm_args(tmp_path, "--epochs", "1", "--amp"), "--out",
-                     str(out), env=AVX2, torchrun=2)
+    result = torchrun_train(tmp_path, "--epochs", "1", "--amp", "--out", str(out))
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("pufferfish: error:")]
     # One line per rank that got to print it (torchrun stops the other once one has exited).
