@@ -115,6 +115,8 @@ def test_lstm_fused_kernel_gets_one_dtype_under_autocast(monkeypatch: pytest.Mon
     # cuDNN refuses a weight list that mixes dtypes ("Weight scalar types do not match"): seen on
     # an H200 under --amp when autocast ran the merge u @ v in fp16 beside fp32 biases. The
     # kernel must get what nn.LSTM gives it: every weight and bias in the parameters' dtype.
+    # The spy then runs the kernel in fp32: a CPU without AVX-512 has no bf16 LSTM kernel (oneDNN
+    # refuses it, as it does nn.LSTM's; --amp is refused there, training/precision.py).
     import pufferfish.lowrank.lstm as lstm_module
     seen: list[set[torch.dtype]] = []
     real = lstm_module._VF
@@ -122,7 +124,8 @@ def test_lstm_fused_kernel_gets_one_dtype_under_autocast(monkeypatch: pytest.Mon
     class Spy:
         def lstm(self, input, hx, weights, *args):  # _VF.lstm's signature
             seen.append({w.dtype for w in weights})
-            return real.lstm(input, hx, weights, *args)
+            with torch.autocast("cpu", enabled=False):
+                return real.lstm(input.float(), tuple(h.float() for h in hx), weights, *args)
 
     monkeypatch.setattr(lstm_module, "_VF", Spy())
     dense = nn.LSTM(8, 16, num_layers=2)

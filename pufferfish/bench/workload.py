@@ -19,6 +19,7 @@ from ..galore import galore_optimizer, galore_ranks
 from ..lowrank import factorize
 from ..lowrank.counting import count_params
 from ..models import build_at_width
+from ..models.memory_format import to_channels_last
 from ..training.optim import build_optimizer
 from ..training.step import Replica, train_step
 from .usermodel import LOSS_ATTR, build_user_model, call_model, is_user_model, load_workload
@@ -53,7 +54,7 @@ def build_model(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, 
 def _prepared(args: argparse.Namespace, model: nn.Module) -> nn.Module:
     """``model`` in ``--channels-last`` memory order and compiled when ``args`` say so."""
     if args.channels_last:  # as training stores them (TrainConfig.channels_last)
-        model.to(memory_format=torch.channels_last)
+        to_channels_last(model)
     if args.compile:
         model.compile()
     return model

@@ -25,6 +25,7 @@ from ..distributed.buckets import BucketTuner
 from ..distributed.diloco import DiLoCoState
 from ..distributed.env import DistEnv
 from ..distributed.hooks import hook_options, register_comm_hook
+from ..models.memory_format import to_channels_last
 from . import checkpoint as ckpt
 from . import startup
 from .guards import write_text
@@ -58,7 +59,7 @@ def prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method,
     modules a method swapped in are converted too; the parameters stay the same objects.
     """
     if cfg.channels_last and cfg.parallel == "ddp":  # FSDP2 shards contiguous parameters only
-        model.to(memory_format=torch.channels_last)
+        to_channels_last(model)  # but strided 1x1 convs with few channels: oneDNN#6035
     if cfg.parallel == "fsdp":  # over mesh["shard"] under DiLoCo: one replica per group
         wrapped = fsdp.shard(model, fsdp.mixed_precision(env.device, cfg.amp),
                              mesh=None if mesh is None else mesh["shard"])

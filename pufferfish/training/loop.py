@@ -78,6 +78,7 @@ from .guards import (
 )
 from .methods import Method, build_method
 from .metrics import MetricsWriter, quality_key, selection_key
+from .precision import autocast, check_amp
 from .progressbar import run_bar
 from .run import Run
 from .schedule import lr_at
@@ -152,6 +153,7 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
     # First collective of the run, before anything whose collectives depend on the configuration
     # (the download barrier, DDP): mismatched configurations fail here, by name, on every rank.
     startup.check_config_agrees(cfg, env)
+    check_amp(cfg, env)  # a CPU without the model's bf16 kernels refuses --amp, on every rank
     if cfg.logger == "tensorboard":
         summary_writer()  # the package is there: else refused on every rank, nothing written
     created = False
@@ -378,7 +380,7 @@ def _step(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
     # statistics (a NaN batch would poison them for good) and the task's carried state.
     undo = snapshot(run.model, task) if cfg.nonfinite == "skip" else None
     losses = [functools.partial(compute_loss, batch) for batch in batches]
-    loss, bad = train_step(run, losses, autocast=_autocast(cfg, env),
+    loss, bad = train_step(run, losses, autocast=autocast(cfg, env),
                            grad_clip=cfg.grad_clip, vote=vote, undo=undo)
     if bad is not None and cfg.nonfinite == "stop":
         raise TrainingError(
@@ -416,7 +418,7 @@ def _fit_batchnorm(cfg: TrainConfig, env: DistEnv, run: Run, task: Task) -> None
         yield from itertools.islice(task.train_loader, cfg.bn_batches)
 
     def forward(batch: Any) -> None:
-        with _autocast(cfg, env):
+        with autocast(cfg, env):
             task.loss(run.wrapped, task.to_device(batch, env.device))
 
     with _eager():
@@ -482,14 +484,6 @@ def _eager() -> contextlib.AbstractContextManager:
     figures run it under torch's flop counter, and dynamo skips a frame it met under a dispatch
     mode for good (measured: no recompilation after the switch, the rest of the run eager)."""
     return torch.compiler.set_stance("force_eager")
-
-
-def _autocast(cfg: TrainConfig, env: DistEnv) -> contextlib.AbstractContextManager:
-    if not cfg.amp:
-        return contextlib.nullcontext()
-    if env.device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.float16)
-    return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
 def _step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
