@@ -114,7 +114,7 @@ def measure_in_group(methods: Sequence[str], rounds: int, step_flags: Sequence[s
                     log_record(TORCHRUN_LINK, r, rec)
         finished = True
     finally:
-        cleanup(drain=finished)  # the process then ends with exit_process (pufferfish.__main__)
+        cleanup(drain=finished)  # the process then ends with exit_process(status) in __main__
     return {"links": [link], "order": order, "rounds": records, "skipped": [], "failures": []}
 
 
