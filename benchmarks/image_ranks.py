@@ -21,7 +21,6 @@ run on 2 CPU cores, 24 runs in all.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -76,12 +75,7 @@ def runs(out: Path) -> list[sweep.Run]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("out", type=Path)
-    r.add_argument("--dry-run", action="store_true")
-    args = parser.parse_args()
+    args = sweep.parser(__doc__)[0].parse_args()
     sweep.run_all(runs(args.out), dry_run=args.dry_run)
     if not args.dry_run:  # a finished grid queues the composition at PowerSGD's best rank
         sweep.run_all(runs(args.out))

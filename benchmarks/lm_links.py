@@ -21,7 +21,6 @@ column), so a crossing cannot be read on it.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -32,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lm_budget as study  # benchmarks/ is not a package: its folder on the path
+import sweep
 
 H = 30  # DiLoCo's inner steps; its checkpoints fall on outer steps (the study's every 100 cannot)
 DILOCO = ["--sync", "diloco", "--inner-steps", str(H), "--checkpoint-every-steps", str(10 * H)]
@@ -213,11 +213,7 @@ def table(out: Path) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("out", type=Path)
-    r.add_argument("--dry-run", action="store_true")
+    parser, sub = sweep.parser(__doc__)
     b = sub.add_parser("bench")
     b.add_argument("out", type=Path)
     b.add_argument("--bandwidth", default="loopback,100mbit,10mbit")

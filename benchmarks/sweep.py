@@ -9,6 +9,7 @@ module owns *how*, so a stopped study resumes the same way whichever driver queu
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -16,10 +17,11 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pufferfish.training.checkpoint import latest_checkpoint
 
-__all__ = ["Run", "finished", "run_all", "train"]
+__all__ = ["Run", "finished", "parser", "run_all", "train"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +80,14 @@ def run_all(runs: Iterable[Run], dry_run: bool = False) -> list[Run]:
         else:
             train(run)
     return pending
+
+
+def parser(doc: str) -> tuple[argparse.ArgumentParser, Any]:
+    """A study driver's command line: ``run OUT [--dry-run]``, the parser and its subparsers (a
+    driver adds its other commands there); the description is ``doc``'s first line."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("out", type=Path)
+    r.add_argument("--dry-run", action="store_true")
+    return ap, sub

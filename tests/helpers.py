@@ -296,3 +296,15 @@ def set_diag(layer: nn.Linear, values: list[float]) -> None:
         w = torch.zeros_like(layer.weight)
         w[range(len(values)), range(len(values))] = torch.tensor(values)
         layer.weight.copy_(w)
+
+
+def bench_record(method: str, bw: str, rate: float | None, step: float, compute: float,
+                 compress: float, nbytes: float, calls: float = 1.0) -> dict[str, Any]:
+    """One 2-worker record of ``pufferfish bench`` as results.json holds it (a synthetic round:
+    the report, the verdict and the projection read nothing else)."""
+    return {"round": 0, "method": method, "bandwidth": bw, "bandwidth_bps": rate,
+            "link_bps": rate, "workers": 2, "step_time": step, "compute_time": compute,
+            "comm_time": step - compute, "compress_time": compress, "hook_time": 0.0,
+            "bytes_per_step": nbytes, "ring_bytes_per_step": nbytes,
+            "collectives_per_step": calls, "params": nbytes / 4,
+            "factorized": method.startswith("pufferfish")}

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import BENCH_TINY, needs_fashion
+from helpers import BENCH_TINY, bench_record, needs_fashion
 
 from pufferfish import factorize
 from pufferfish.bench import projection as proj
@@ -122,20 +122,10 @@ def test_projection_rows_and_bad_input() -> None:
 # -- the report from synthetic records (no processes) ------------------------------------------------
 
 
-def _record(method: str, bw: str, rate: float | None, step: float, compute: float,
-            compress: float, nbytes: float, calls: float = 1.0) -> dict[str, Any]:
-    return {"round": 0, "method": method, "bandwidth": bw, "bandwidth_bps": rate,
-            "link_bps": rate, "workers": 2, "step_time": step, "compute_time": compute,
-            "comm_time": step - compute, "compress_time": compress, "hook_time": 0.0,
-            "bytes_per_step": nbytes, "ring_bytes_per_step": nbytes,
-            "collectives_per_step": calls, "params": nbytes / 4,
-            "factorized": method.startswith("pufferfish")}
-
-
 def test_report_from_synthetic_records(tmp_path: Path) -> None:
-    recs = [_record("ddp", "100mbit", 1e8, 1.0, 0.2, 0.0, 10e6),
-            _record("powersgd", "100mbit", 1e8, 0.3, 0.2, 0.05, 0.2e6, 3),
-            _record("ddp", "loopback", None, 0.25, 0.2, 0.0, 10e6)]
+    recs = [bench_record("ddp", "100mbit", 1e8, 1.0, 0.2, 0.0, 10e6),
+            bench_record("powersgd", "100mbit", 1e8, 0.3, 0.2, 0.05, 0.2e6, 3),
+            bench_record("ddp", "loopback", None, 0.25, 0.2, 0.0, 10e6)]
     rows = summarize(recs, ["100mbit", "loopback"], ["ddp", "powersgd"])
     assert rows[1]["speedup_vs_ddp"] == pytest.approx(1.0 / 0.3)
     cfg = BenchConfig(out=str(tmp_path), methods=["ddp", "powersgd"], rounds=1)

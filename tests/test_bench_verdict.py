@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import bench_record
 
 from pufferfish.bench import projection as proj
 from pufferfish.bench.markdown import results_markdown
@@ -31,12 +32,7 @@ def _record(method: str, bw: str, rate: float | None, compute: float, compress: 
     ``rate`` (+ ``extra``): with 2 workers an all-reduce puts 8 x its payload bits on the wire."""
     nbytes = wire_s * (rate or 1e8) / 8
     step = compute + compress + wire_s + extra
-    return {"round": 0, "method": method, "bandwidth": bw, "bandwidth_bps": rate,
-            "link_bps": rate, "workers": 2, "step_time": step, "compute_time": compute,
-            "comm_time": step - compute, "compress_time": compress, "hook_time": 0.0,
-            "bytes_per_step": nbytes, "ring_bytes_per_step": nbytes,
-            "collectives_per_step": calls, "params": nbytes / 4,
-            "factorized": method.startswith("pufferfish")}
+    return bench_record(method, bw, rate, step, compute, compress, nbytes, calls)
 
 
 def _result(records: list[dict[str, Any]], links: list[str], methods: list[str],
