@@ -183,7 +183,7 @@ first steps:
   pufferfish report runs/RUN_A runs/RUN_B
       runs side by side (each `train` prints its run directory)
 `pufferfish COMMAND --help` lists a command's options; --model llama needs
-pip install 'pufferfish[lm]'."""
+the tokenizers package (the [lm] extra)."""
 
 
 def _parser() -> argparse.ArgumentParser:

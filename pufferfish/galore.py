@@ -107,7 +107,7 @@ def _checkpointable_galore() -> type[torch.optim.Optimizer]:
         from pytorch_optimizer.optimizer.utils.galore import GaLoreProjector
     except ImportError:
         raise ConfigError("mode 'galore' needs the package pytorch-optimizer, which is not "
-                          "installed: pip install 'pufferfish[galore]'") from None
+                          "installed: pip install pytorch-optimizer (the [galore] extra)") from None
 
     class CheckpointableGaLore(GaLore):
         def state_dict(self) -> dict[str, Any]:

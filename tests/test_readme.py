@@ -48,7 +48,7 @@ NOT_RUN = {"make demo": "the demo itself (11 minutes)", "make test": "the test s
            "examples/bench_my_model.py:make --out runs/cluster":
            "two machines: tests/test_bench_user.py runs it on two network namespaces",
            **{f"pip install {what}": "installing: done by the tests' environment"
-              for what in ("pufferfish", "'pufferfish[lm]'", "'pufferfish[galore]'")}}
+              for what in (".", "'.[lm]'", "'.[galore]'")}}
 
 
 def commands() -> list[str]:

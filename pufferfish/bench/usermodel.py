@@ -95,7 +95,9 @@ def _module(ref: str, where: str) -> Any:
     if where.endswith(".py") or "/" in where or "\\" in where:
         path = Path(where).expanduser()
         if not path.is_file():
-            raise ValueError(f"--model {ref!r}: no file {str(path)!r}")
+            raise ValueError(f"--model {ref!r}: no file {str(path)!r} (allowed an existing "
+                             "PATH.py:FUNC, or package.module:FUNC; the example "
+                             "examples/bench_my_model.py is in the repository, not the wheel)")
         name = f"_pufferfish_workload_{abs(hash(str(path.resolve())))}"
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
