@@ -108,7 +108,7 @@ from ..distributed.buckets import BucketTuner, bucket_overrides, parse_bucket_mb
 from ..distributed.diloco import DiLoCoState
 from ..distributed.env import cleanup, exit_process
 from ..distributed.hooks import all_hook_options, hook_names, hook_options, register_comm_hook
-from ..training.step import Replica, micro_batch_groups, timed
+from ..training.step import Replica, micro_batch_groups, timed, to_device
 from .sharded import measure_sharded
 from .usermodel import is_user_model, user_batches
 from .workload import (
@@ -276,20 +276,8 @@ def _steps_batches(args: argparse.Namespace, rank: int, world: int, n: int,
                    device: torch.device) -> list[Any]:
     """The micro-batches of ``n`` steps, ``--grad-accum`` per step: one list per step, on
     ``device`` before any step is timed."""
-    micro = [_to(b, device) for b in _batches(args, rank, world, n * args.grad_accum)]
+    micro = [to_device(b, device) for b in _batches(args, rank, world, n * args.grad_accum)]
     return list(micro_batch_groups(micro, args.grad_accum))
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor in it on ``device``: tensors, and the tuples, lists and dicts
-    (a Hugging Face model's keyword inputs) that hold them; anything else as it is."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    if isinstance(batch, tuple | list):
-        return type(batch)(_to(v, device) for v in batch)
-    return batch
 
 
 def _batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list[Any]:

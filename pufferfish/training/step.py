@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..distributed import fsdp
 
-__all__ = ["EpochMeter", "Replica", "micro_batch_groups", "timed", "train_step"]
+__all__ = ["EpochMeter", "Replica", "micro_batch_groups", "timed", "to_device", "train_step"]
 
 LossFn = Callable[[], torch.Tensor]
 
@@ -188,3 +188,15 @@ class EpochMeter:
         self.loss_sum = torch.tensor(state.get("loss_sum", 0.0), dtype=torch.float64)
         self.n_steps = state.get("n_steps", 0)
         self.skipped = state.get("skipped", 0)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it on ``device``: tensors, and the tuples, lists and dicts
+    (a Hugging Face model's keyword inputs) that hold them; anything else as it is."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple | list):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
