@@ -576,3 +576,25 @@ def test_ranks_take_rank_0s_decision(tmp_path: Path) -> None:
     assert f"--out {run} holds an earlier run (config.toml, checkpoints/ckpt-000000002.json, " \
            "checkpoints/ckpt-000000002.pt)" in results[0][2]
     assert files_with_digests(run) == before
+
+
+@needs_fashion
+def test_a_moved_run_directory_resumes_automatically_from_its_new_place(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``out`` says where a run lives, not what it computes: a killed run moved elsewhere (or
+    copied to another machine) continues under ``--resume auto`` with ``--out`` its new place."""
+    args = [*SMALL, "--train-subset", "128", "--val-subset", "64", "--epochs", "2",
+            "--checkpoint-every-steps", "2"]
+    old, new, marker = tmp_path / "old", tmp_path / "moved" / "run", tmp_path / "killed"
+    killed = run_cli("train", *args, "--out", str(old), env={
+        "PUFFERFISH_KILL_AT_STEP": "5", "PUFFERFISH_KILL_MARKER": str(marker)})
+    assert killed.returncode == -9 and marker.exists()
+    new.parent.mkdir()
+    old.rename(new)
+    code, out, err = cli(["train", *args, "--out", str(new), "--resume", "auto"], capsys)
+    assert code == 0, err
+    assert f"resumed from {new / 'checkpoints' / 'ckpt-000000004.pt'}" in out
+    # Anything else of substance is still refused.
+    code, _, err = cli(["train", *args, "--lr", "0.01", "--out", str(new), "--resume", "auto"],
+                       capsys)
+    assert code == 2 and "lr: checkpoint has" in err

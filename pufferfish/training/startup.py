@@ -39,8 +39,9 @@ from .tasks import LEGACY_RUN_VALUES, Task
 PER_RANK_FIELDS = ("data_dir", "cache_dir", "threads", "progress")
 # Fields that do not change what is computed, so an automatic resume (torchelastic restart or
 # ``--resume auto``) may find them changed; any other difference means the run directory holds a
-# different run, which is refused rather than silently continued.
-RUN_LOCAL_FIELDS = (*PER_RANK_FIELDS, "resume", "overwrite", "download", "timeout_s",
+# different run, which is refused rather than silently continued. ``out`` is where the run lives,
+# not what it computes: a run directory moved (or copied to another machine) resumes from there.
+RUN_LOCAL_FIELDS = (*PER_RANK_FIELDS, "out", "resume", "overwrite", "download", "timeout_s",
                     "keep_checkpoints", "verbose", "logger")
 
 
