@@ -1,7 +1,9 @@
 """A run's configuration as TOML and flags: :class:`~pufferfish.config.TrainConfig` read from a
 file (or a shipped config by name) with overrides, each value converted to its field's type, and
-written back as flat TOML (a run directory's ``config.toml``). The fields, defaults and checks are
-:mod:`pufferfish.config`'s; this is how they travel.
+written back as flat TOML (a run directory's ``config.toml``, which every version reads). A file
+may put keys at the top level or in their group's table (``[optim] lr = 0.05``, the sections of
+:mod:`pufferfish.options`). The fields, defaults and checks are :mod:`pufferfish.config`'s; this
+is how they travel.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from typing import Any, get_args, get_origin
 
 from .config import HOOK_OPTIONS, MODEL_DEFAULTS, ConfigError, TrainConfig
 from .fieldhelp import field_help
+from .options import section_of, sections
 
 __all__ = ["FIELDS", "SHIPPED", "coerce", "coerce_scalar", "config_path", "dump_toml",
-           "field_description", "field_kind", "list_item_kind", "load_config", "read_config_file",
+           "field_description", "field_kind", "flat_keys", "list_item_kind", "load_config",
+           "read_config_file",
            "shipped_configs"]
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -128,13 +132,45 @@ def read_config_file(path: str | Path, skip: Iterable[str] = ()) -> dict[str, An
     skip = set(skip)
     values: dict[str, Any] = {}
     try:
-        for key, value in raw.items():
+        for key, value in flat_keys(raw).items():
             if key in skip and key in FIELDS:
                 continue
             values[key] = coerce(key, value)
     except ConfigError as e:
         raise ConfigError(f"config file {str(path)!r}: {e}") from None
     return values
+
+
+def flat_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """A TOML file's keys without their tables: ``[optim] lr = 0.05`` is ``lr = 0.05``. A table
+    that is no group's, a key in another group's table, or a key given twice is refused (one
+    line); a key's value is checked later, by :func:`coerce`."""
+    tables = sections()
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if not isinstance(value, dict):  # no field takes a table
+            _put(flat, key, value, "the top level")
+            continue
+        if key not in tables:
+            close = difflib.get_close_matches(key, tables, n=1)
+            hint = f" (did you mean [{close[0]}]?)" if close else ""
+            raise ConfigError(f"section [{key}] is unknown{hint}: allowed "
+                              f"{', '.join(f'[{t}]' for t in tables)}, or keys without a section")
+        for name, item in value.items():
+            home = section_of(name)
+            if home is None:
+                coerce(name, item)  # raises: the unknown key, and the one it resembles
+            if home != key:
+                raise ConfigError(f"{name} in [{key}] is in the wrong section: allowed in "
+                                  f"[{home}] or without a section")
+            _put(flat, name, item, f"[{key}]")
+    return flat
+
+
+def _put(flat: dict[str, Any], key: str, value: Any, where: str) -> None:
+    if key in flat:
+        raise ConfigError(f"{key} is given twice (again in {where}): allowed once")
+    flat[key] = value
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
