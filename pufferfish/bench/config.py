@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
-from ..configfile import FIELDS, load_config
+from ..configfile import load_config
 from ..data import DEFAULT_FASHION_DIR
 from ..distributed.buckets import parse_bucket_mb
 from ..distributed.hooks import with_option_fields
+from ..options import BatchOptions, ModelOptions, SubsetOptions, override_defaults
 from . import accuracy as acc
 from . import projection as proj
 from .bandwidth import parse_link
@@ -83,13 +84,14 @@ def parse_compute_ms(value: str | float) -> dict[str, float]:
     return found
 
 
+# The option groups it shares with `pufferfish train` (the same fields, help and defaults, but a
+# narrower network by default); its own checks, in terms of its flags and Fashion-MNIST's sizes.
 @dataclass
-@with_option_fields(after="batch_size", defaults=HOOK_DEFAULTS, options=HOOK_OPTIONS)
-class BenchConfig:
+@with_option_fields(after="vocab_size", defaults=HOOK_DEFAULTS, options=HOOK_OPTIONS)
+@override_defaults(width=0.5)
+class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
     """Everything ``pufferfish bench`` needs; :meth:`validate` gives one-line errors."""
 
-    model: str = "resnet18"
-    width: float = 0.5
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     parallel: str = "ddp"  # fsdp: --methods ddp,pufferfish measured as fsdp,pufferfish+fsdp
     bandwidths: list[str] = field(default_factory=lambda: ["loopback"])
@@ -98,8 +100,6 @@ class BenchConfig:
     steps: int = 20
     warmup: int = 3
     compute_steps: int = 5
-    batch_size: int = 128
-    grad_accum: int = 1  # micro-batches per step: times and bytes per optimizer step
     seq_len: int = 64  # language models: tokens per sequence of a batch
     vocab_size: int = 2000  # language models: vocabulary (KJV words, the rarest clamped)
     # ... then one field per comm-hook option: powersgd_rank, powersgd_start_iter, ...
@@ -127,9 +127,6 @@ class BenchConfig:
     # comparison: a method whose epoch is faster trains more of them in the same time.
     method_epochs: str = ""
     warmup_epochs: int = 1
-    train_subset: int = 0
-    val_subset: int = FIELDS["val_subset"].default  # held out of training, as `pufferfish train`
-    test_subset: int = 0
     lr: float = 0.1
     inner_steps: int = 50  # DiLoCo methods: optimizer steps between synchronizations
     train_config: str = ""  # a `pufferfish train` TOML for every other option of the runs
@@ -177,8 +174,8 @@ class BenchConfig:
         if self.warmup < 2:
             raise ValueError(f"warmup {self.warmup} is invalid: allowed >= 2 (DDP rebuilds its "
                              "buckets after its first step, which must not be timed)")
-        for name in ("threads", "train_subset", "val_subset", "test_subset", "warmup_epochs",
-                     "alpha", "timeout"):
+        SubsetOptions.check_group(self)  # >= 0, as `pufferfish train` checks them
+        for name in ("threads", "warmup_epochs", "alpha", "timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
         if self.val_subset >= acc.FASHION_MNIST_TRAIN:
