@@ -36,6 +36,7 @@ from .configfile import (
 from .data import DataError
 from .distributed.env import idle_cpus
 from .formatting import one_line
+from .options import sections
 from .training.checkpoint import CheckpointError
 from .training.loop import PeerError, TrainingError, train
 from .training.report import compare_runs
@@ -170,7 +171,8 @@ def _is_user_error(e: Exception) -> bool:
 
 
 CONFIG_HELP = ("TOML file of training options, or a shipped config's name: "
-               + ", ".join(shipped_configs()) + "; flags override it")
+               + ", ".join(shipped_configs()) + "; flags override it. Its keys at the top "
+               "level, or in their group's table (the headings below: [optim] lr = 0.05)")
 
 
 EXAMPLES = """\
@@ -268,31 +270,39 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...]) -> None:
-    """A ``--flag`` for every TrainConfig field (as ``train`` has), except those in ``skip``.
+    """A ``--flag`` for every TrainConfig field (as ``train`` has), except those in ``skip``,
+    listed by concern: one argument group per TOML table of the option groups.
 
-    Its help is the field's one line in TrainConfig (``name: type = default  # help``), its
+    Its help is the field's one line in its option group (``name: type = default  # help``), its
     allowed names (or type) and its default: nothing to write here for a new field.
     """
     named = choices()
-    for name, f in FIELDS.items():
-        if name in skip:
-            continue
-        kind = field_kind(name)
-        flag = "--" + name.replace("_", "-")
-        text = field_description(name).replace("%", "%%")  # argparse %-formats help
-        if kind is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                                default=None, help=f"{text} (default: {_on_off(f.default)})")
-        elif kind is list:  # a list default comes from a factory; shown as it would be typed
-            default = f.default_factory()  # type: ignore[misc]
-            parser.add_argument(flag, dest=name, default=None, metavar="LIST",
-                                help=f"{text}; comma-separated (default: "
-                                     f"'{','.join(map(str, default))}')".replace("%", "%%"))
-        else:
-            metavar = "{" + ",".join(named[name]) + "}" if name in named else kind.__name__.upper()
-            shown = repr(f.default).replace("%", "%%")
-            parser.add_argument(flag, dest=name, default=None, metavar=metavar,
-                                help=f"{text} (default: {shown})")
+    for section, keys in sections().items():
+        group = parser.add_argument_group(f"{section} options (a --config file's [{section}])")
+        for name in keys:
+            if name not in skip:
+                _config_flag(group, name, named)
+
+
+def _config_flag(group: argparse._ArgumentGroup, name: str,
+                 named: dict[str, tuple[str, ...]]) -> None:
+    f = FIELDS[name]
+    kind = field_kind(name)
+    flag = "--" + name.replace("_", "-")
+    text = field_description(name).replace("%", "%%")  # argparse %-formats help
+    if kind is bool:
+        group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                           default=None, help=f"{text} (default: {_on_off(f.default)})")
+    elif kind is list:  # a list default comes from a factory; shown as it would be typed
+        default = f.default_factory()  # type: ignore[misc]
+        group.add_argument(flag, dest=name, default=None, metavar="LIST",
+                           help=f"{text}; comma-separated (default: "
+                                f"'{','.join(map(str, default))}')".replace("%", "%%"))
+    else:
+        metavar = "{" + ",".join(named[name]) + "}" if name in named else kind.__name__.upper()
+        shown = repr(f.default).replace("%", "%%")
+        group.add_argument(flag, dest=name, default=None, metavar=metavar,
+                           help=f"{text} (default: {shown})")
 
 
 def _on_off(value: object) -> str:
