@@ -285,10 +285,7 @@ class DistributedOptions(OptionGroup):
             parse_bucket_mb(self.bucket_mb)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self._check_sync()
-
-    def _check_sync(self) -> None:
-        """``sync`` and the DiLoCo keys (see :mod:`pufferfish.distributed.diloco`)."""
+        # sync and the DiLoCo keys (see pufferfish.distributed.diloco)
         if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) \
                 or self.inner_steps < 1:
             raise ConfigError(f"inner_steps {self.inner_steps!r} is invalid: allowed an integer >= 1")
