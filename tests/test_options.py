@@ -90,13 +90,15 @@ def test_mixed_top_level_and_tables(tmp_path: Path) -> None:
     ("[optim]\nlr = \"fast\"\n", "lr 'fast' is invalid: allowed a float"),
 ])
 def test_a_bad_table_is_refused_in_one_line(text: str, message: str, tmp_path: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+                                            capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # where a run would make runs/
     path = tmp_path / "bad.toml"
     path.write_text(text)
     code, out, err = cli(["train", "--config", str(path)], capsys)
     assert code == 2 and out == ""
     assert err == f"pufferfish: error: config file {str(path)!r}: {message}\n"
-    assert not list(tmp_path.glob("runs*"))
+    assert list(tmp_path.iterdir()) == [path]  # nothing made
 
 
 def test_config_toml_stays_flat_and_reads_back() -> None:
