@@ -120,3 +120,15 @@ def test_the_bench_shares_the_groups_it_has() -> None:
     bench.train_subset = -1
     with pytest.raises(ValueError, match=r"^train_subset -1 is invalid: allowed >= 0$"):
         bench.validate()
+
+
+def test_train_help_lists_the_flags_under_their_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(["train", "--help"], capsys)
+    assert code == 0
+    headings = [out.index(f"{table} options (a --config file's [{table}]):") for table in sections()]
+    assert headings == sorted(headings)  # in the groups' order
+    for table, keys in sections().items():
+        start = out.index(f"[{table}]):")
+        end = min([h for h in headings if h > start] + [len(out)])
+        for key in keys:
+            assert f"\n  --{key.replace('_', '-')}" in out[start:end], (table, key)
