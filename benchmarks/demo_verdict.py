@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from pufferfish.bench.accuracy import time_to_accuracy
-from pufferfish.training.report import summarize_run
+from pufferfish.report import summarize_run
 
 CACHED = Path("benchmarks/results/resnet18-w1-fashion-e20-gpu")  # the paper's width, converged
 

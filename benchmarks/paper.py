@@ -28,7 +28,7 @@ from pufferfish import count_macs, factorize
 from pufferfish.formatting import markdown_table
 from pufferfish.lowrank.counting import count_params
 from pufferfish.models import build_at_width
-from pufferfish.training.report import compare_runs
+from pufferfish.report import compare_runs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # claims/, diloco_tta.py beside it
 import claims as cl
