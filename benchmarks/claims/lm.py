@@ -8,14 +8,14 @@ import math
 from pathlib import Path
 
 import diloco_tta
+import folders
 
 from claims import DOCS, config_of, last_row, per_seed, record, stats
 from pufferfish.bench import time_to_target as ttt
 
 # -- DiLoCo on llama ----------------------------------------------------------------------------
 
-DILOCO = {10: ("diloco-llama-w0.25-kjv-e1", "diloco-llama-w0.25-kjv-e1-s1"),
-          30: ("diloco-llama-w0.25-kjv-e1-h30", "diloco-llama-w0.25-kjv-e1-h30-s1")}
+DILOCO = {h: tuple(folders.FOLDERS[f"diloco-h{h}-s{s}"] for s in (0, 1)) for h in (10, 30)}
 LIKE = {"diloco": "ddp", "powersgd": "ddp", "pufferfish+diloco": "pufferfish"}
 DILOCO_LINKS = {"100 Mbit/s": 1e8, "10 Mbit/s": 1e7}
 LINKS = {"100mbit": "100 Mbit/s", "10mbit": "10 Mbit/s"}
@@ -72,8 +72,8 @@ def diloco_claim(cache: Path) -> tuple[dict, dict]:
     """Time to DDP's final validation perplexity + 5% (same seed), llama ¼, one epoch."""
     by_link: dict[str, dict[str, dict[int, float | None]]] = {k: {} for k in DILOCO_LINKS}
     sources, curves, targets, settings = [], {}, {}, {}
-    for h, folders in DILOCO.items():
-        for seed, name in enumerate(folders):
+    for h, names in DILOCO.items():
+        for seed, name in enumerate(names):
             folder = cache / name
             if not (folder / "ddp/metrics.jsonl").is_file():
                 continue
@@ -149,7 +149,7 @@ def budget_claim(cache: Path) -> dict:
     resolution; the 1 and 5 tokens/param runs reuse those LRs, so no claim rests on them."""
     import lm_budget
 
-    out = cache / "lm-budget"
+    out = folders.folder(cache, "lm-budget")
     rows = lm_budget.table(out) if out.is_dir() else []
     at = lm_budget.LR_BUDGET
     puff = lm_budget.best_pufferfish(out) if rows else None
@@ -217,7 +217,7 @@ def budget_links_claim(cache: Path) -> dict:
     import lm_budget
     import lm_links
 
-    out = cache / "lm-budget"
+    out = folders.folder(cache, "lm-budget")
     found = lm_links.results(out) if out.is_dir() else "not run"
     slow = ("100mbit", "10mbit")
     ready = (not isinstance(found, str) and all(link in found["links"] for link in slow)
