@@ -13,10 +13,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pufferfish.bench.accuracy import time_to_accuracy
-from pufferfish.training.report import summarize_run
+import folders
 
-CACHED = Path("benchmarks/results/resnet18-w1-fashion-e20-gpu")  # the paper's width, converged
+from pufferfish.bench.accuracy import time_to_accuracy
+from pufferfish.report import summarize_run
+
+CACHED = folders.folder(folders.CACHE, "converged-resnet18")  # the paper's width, converged
 
 
 def verdict(runs: Path, methods: list[str]) -> str:

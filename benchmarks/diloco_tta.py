@@ -23,42 +23,40 @@ import math
 import sys
 from pathlib import Path
 
+from pufferfish.bench import time_to_target as ttt
 
-def _rows(run: Path) -> list[dict]:
+
+def rows_of(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _loss(row: dict) -> float:
+def loss(row: dict) -> float:
     for key in ("test_ppl", "val_ppl"):
         if key in row:
             return math.log(row[key])
     return 1.0 - row["test_acc"]
 
 
-def _points(run: Path, rows: list[dict], steps: int) -> list[tuple[int, float]]:
+def points(run: Path, rows: list[dict], steps: int) -> list[tuple[int, float]]:
     """``(global step, loss)`` of every evaluation: each epoch's end, and within epochs."""
     ends, total = [], 0
     for r in rows:
         total += r.get("steps", steps)
-        ends.append((total, _loss(r)))
+        ends.append((total, loss(r)))
     evals = run / "evals.jsonl"
-    inner = [(e["step"], _loss(e)) for e in map(json.loads, evals.read_text().splitlines())] \
+    inner = [(e["step"], loss(e)) for e in map(json.loads, evals.read_text().splitlines())] \
         if evals.is_file() else []
     return sorted(set(ends + inner))
 
 
-def _clock(rows: list[dict], steps: int, step: float, bps: float,
-           compute_per_step: float | None = None) -> float:
+def clock(rows: list[dict], steps: int, step: float, bps: float,
+          compute_per_step: float | None = None) -> float:
     """Seconds to ``step`` global steps over ``bps``: each step at its epoch's compute time per
     step (or ``compute_per_step``) plus its bytes per step on the wire."""
-    t, start = 0.0, 0
-    for r in rows:
-        n = r.get("steps", steps)
-        compute = r["compute_time"] / n if compute_per_step is None else compute_per_step
-        per_step = compute + 8 * r["comm_bytes_per_step"] / bps
-        t += per_step * max(0, min(step, start + n) - start)
-        start += n
-    return t
+    return ttt.cumulative(step, [(
+        r.get("steps", steps),
+        (r["compute_time"] / r.get("steps", steps) if compute_per_step is None
+         else compute_per_step) + 8 * r["comm_bytes_per_step"] / bps) for r in rows])
 
 
 def main() -> None:
@@ -74,7 +72,7 @@ def main() -> None:
                          "that shared the cores with other jobs; REF: an idle run of the same model)")
     args = ap.parse_args()
     dirs = {p.name: p for p in sorted(args.runs.iterdir()) if (p / "metrics.jsonl").is_file()}
-    runs = {name: _rows(p) for name, p in dirs.items()}
+    runs = {name: rows_of(p) for name, p in dirs.items()}
     like = {}
     for pair in filter(None, args.compute_like.split(",")):
         name, _, ref = pair.partition("=")
@@ -86,7 +84,7 @@ def main() -> None:
     mean_compute = {name: sum(r["compute_time"] for r in rows)
                     / sum(r.get("steps", 1) for r in rows) for name, rows in runs.items()}
     steps = next(r["steps"] for rows in runs.values() for r in rows if "steps" in r)
-    target = args.target or _loss(runs["ddp"][-1]) * 1.02
+    target = args.target or loss(runs["ddp"][-1]) * 1.02
     links = [float(x) for x in args.links.split(",")]
     last_ddp = runs["ddp"][-1]
     what = "test loss" if "test_ppl" in last_ddp else \
@@ -97,7 +95,7 @@ def main() -> None:
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for name, rows in runs.items():
         per_epoch = [r.get("steps", steps) * r["comm_bytes_per_step"] for r in rows]
-        at = _reached(_points(dirs[name], rows, steps), target, args.interpolate)
+        at = ttt.reach(points(dirs[name], rows, steps), target, interpolate=args.interpolate)
         last = rows[-1]
         ppl = last.get("test_ppl", last.get("val_ppl"))
         final = f"{ppl:.2f}" if ppl is not None else f"{100 * last['test_acc']:.2f}%"
@@ -108,33 +106,13 @@ def main() -> None:
         for b in links:
             compute = mean_compute[like[name]] if name in like else None
             cells.append("not reached" if at is None
-                         else f"{_clock(rows, steps, at, b, compute):.0f} s")
+                         else f"{clock(rows, steps, at, b, compute):.0f} s")
         print("| " + " | ".join(cells) + " |")
-
-
-def _reached(points: list[tuple[int, float]], target: float, interpolate: bool) -> float | None:
-    """The global step at which the loss first reaches ``target``: the first evaluation at or
-    below it, or, interpolating, where the line between it and the evaluation before crosses it
-    (an evaluation every 100 steps makes the first rule a step function of the target)."""
-    before = None
-    for step, loss in points:
-        if loss <= target:
-            if not interpolate or before is None:
-                return step
-            (s0, l0) = before
-            return s0 + (step - s0) * (l0 - target) / (l0 - loss)
-        before = (step, loss)
-    return None
 
 
 def _bytes_to(rows: list[dict], steps: int, step: float) -> float:
     """Bytes sent in the first ``step`` global steps."""
-    sent, start = 0.0, 0
-    for r in rows:
-        n = r.get("steps", steps)
-        sent += r["comm_bytes_per_step"] * max(0, min(step, start + n) - start)
-        start += n
-    return sent
+    return ttt.cumulative(step, [(r.get("steps", steps), r["comm_bytes_per_step"]) for r in rows])
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ column), so a crossing cannot be read on it.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import subprocess
@@ -29,9 +28,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import lm_budget as study  # benchmarks/ is not a package: its folder on the path
+import lm_budget as study
 import sweep
+
+from pufferfish.bench import time_to_target as ttt
 
 H = 30  # DiLoCo's inner steps; its checkpoints fall on outer steps (the study's every 100 cannot)
 DILOCO = ["--sync", "diloco", "--inner-steps", str(H), "--checkpoint-every-steps", str(10 * H)]
@@ -113,13 +113,8 @@ def _curve(path: Path) -> list[tuple[int, float]]:
 def steps_to(points: list[tuple[int, float]], target: float) -> float | None:
     """The step where the curve first reaches ``target`` (log-linear between evaluations;
     None: never)."""
-    if points and points[0][1] <= target:
-        return float(points[0][0])
-    for (s0, p0), (s1, p1) in itertools.pairwise(points):
-        if p1 <= target < p0:
-            return s0 + (s1 - s0) * (math.log(p0) - math.log(target)) / (
-                math.log(p0) - math.log(p1))
-    return None
+    at = ttt.reach([(s, math.log(p)) for s, p in points], math.log(target), interpolate=True)
+    return None if at is None else float(at)
 
 
 def switch_step(path: Path) -> int:
@@ -132,6 +127,26 @@ def step_times(bench: Path) -> dict[tuple[str, str], dict]:
     """(method, link) -> the bench's row: step time (median over rounds) and its spread."""
     data = json.loads((bench / "results.json").read_text())
     return {(r["method"], r["bandwidth"]): r for r in data["rows"]}
+
+
+def seconds_to(row: dict, before: tuple[float, float, float] | None,
+               link: str) -> ttt.StepTime | None:
+    """A ``results`` row's seconds to the target over ``link`` at the bench's median step times,
+    in its best round and in its worst; ``before``: the step times (median, low, high) of its
+    full-rank counterpart, at which a Pufferfish run steps until its switch. None: not reached or
+    not timed."""
+    own = row["step_s"][link]
+    if row["steps_to_target"] is None or own is None or before is None:
+        return None
+    switch = switch_step(Path(row["run"])) if row["method"] in FULL_PHASE else 0
+    return ttt.time_range(row["steps_to_target"], [(switch, ttt.StepTime(*before)),
+                                                   (math.inf, ttt.StepTime(*own))])
+
+
+def _spread(bench_row: dict | None) -> tuple[float, float, float] | None:
+    """A bench row's step time: (median, low, high) over its rounds."""
+    return None if bench_row is None else (bench_row["step_time"],
+                                           *bench_row["spread"]["step_time"])
 
 
 def results(out: Path) -> dict | str:
@@ -158,20 +173,16 @@ def results(out: Path) -> dict | str:
         if bench_params not in (None, last["params"]):
             return (f"lm_links: the bench's {method} has {bench_params} parameters, its run "
                     f"{path} {last['params']}: not the same model")
-        reach, switch = steps_to(_curve(path), target), switch_step(path)
-        early = 0.0 if reach is None or method not in FULL_PHASE else min(switch, reach)
-        to_target = {}
-        for link in links:
-            row, before = mine[link], times.get((FULL_PHASE.get(method, method), link))
-            to_target[link] = (None if reach is None or row is None or before is None else
-                               early * before["step_time"] + (reach - early) * row["step_time"])
-        rows.append({"method": method, "lr": lr, "run": str(path), "params": last["params"],
-                     "val_ppl": last["val_ppl"], "test_ppl": last["test_ppl"],
-                     "mb_per_step": last["comm_bytes_per_step"] / 1e6, "steps_to_target": reach,
-                     "step_s": {link: None if r is None else (r["step_time"],
-                                                              *r["spread"]["step_time"])
-                                for link, r in mine.items()},
-                     "seconds_to_target": to_target})
+        row = {"method": method, "lr": lr, "run": str(path), "params": last["params"],
+               "val_ppl": last["val_ppl"], "test_ppl": last["test_ppl"],
+               "mb_per_step": last["comm_bytes_per_step"] / 1e6,
+               "steps_to_target": steps_to(_curve(path), target),
+               "step_s": {link: _spread(r) for link, r in mine.items()}}
+        before = {link: _spread(times.get((FULL_PHASE.get(method, method), link)))
+                  for link in links}
+        row["seconds_to_target"] = {link: None if (t := seconds_to(row, before[link], link))
+                                    is None else t.median for link in links}
+        rows.append(row)
     return {"target": target, "ddp_val_ppl": ddp_last["val_ppl"], "links": links, "rows": rows}
 
 

@@ -22,18 +22,17 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import claims as cl
+import folders
 import torch
+from claims import final, gap, is_lm, last_row, partial_note, rows_of  # noqa: F401
+from claims import plots as claim_plots
 
 from pufferfish import count_macs, factorize
 from pufferfish.formatting import markdown_table
 from pufferfish.lowrank.counting import count_params
 from pufferfish.models import build_at_width
-from pufferfish.training.report import compare_runs
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # claims/, diloco_tta.py beside it
-import claims as cl
-from claims import final, gap, is_lm, last_row, partial_note, rows_of  # noqa: F401
-from claims import plots as claim_plots
+from pufferfish.report import compare_runs
 
 RUN_NAME = re.compile(
     r"^(?P<method>full|puffproj|puffkeep1|pufflate|puffpsgd|puffw2|puffw50|puffw5proj|puff|lowrank"
@@ -319,7 +318,7 @@ def headline(cache: Path, out: Path, params: dict[str, list[int]], source: str,
                              "ResNet-18 width 0.25, 6 epochs, 2 workers: seed 0 solid, seed 1 "
                              "dashed", out / "composition-w025.png")
         claim_plots.plot_diloco(data["diloco"], out / "diloco-llama.png")
-        budget = cache / "lm-budget"
+        budget = folders.folder(cache, "lm-budget")
         if budget.is_dir():
             import lm_budget
             lm_budget.summary(budget, out / "lm-budget.md", out / "lm-budget.png")
@@ -368,7 +367,7 @@ def write_in_place(path: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", nargs="?", help="where everything goes (same as --out)")
-    ap.add_argument("--cache", default="benchmarks/results", help="folder of cached runs")
+    ap.add_argument("--cache", default=str(folders.CACHE), help="folder of cached runs")
     ap.add_argument("--out", default="runs/paper", help="where report.md and its plots go")
     ap.add_argument("--counts", default="live", metavar="live|FILE",
                     help="parameter counts: computed now (live, minutes on a busy CPU), or read "

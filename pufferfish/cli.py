@@ -37,9 +37,9 @@ from .data import DataError
 from .distributed.env import idle_cpus
 from .formatting import one_line
 from .options import sections
+from .report import compare_runs
 from .training.checkpoint import CheckpointError
 from .training.loop import PeerError, TrainingError, train
-from .training.report import compare_runs
 from .training.startup import load_run_config
 from .training.tasks import resolve_short_try
 

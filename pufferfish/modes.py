@@ -21,7 +21,7 @@ BUILT_IN: dict[str, str] = {
     "lowrank": "pufferfish.method:PufferfishMethod",  # Pufferfish without warm-up
     "lth": "pufferfish.baselines.lth:LotteryTicketMethod",
     "prune": "pufferfish.baselines.slimming:SlimmingMethod",
-    "galore": "pufferfish.galore:GaLoreMethod",  # full rank, GaLore's optimizer
+    "galore": "pufferfish.baselines.galore:GaLoreMethod",  # full rank, GaLore's optimizer
 }
 _REGISTERED: dict[str, Callable[[Any], Any]] = {}
 

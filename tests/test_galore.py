@@ -19,7 +19,7 @@ pytest.importorskip("pytorch_optimizer")
 
 
 def test_galore_projects_the_layers_pufferfish_would_factorize() -> None:
-    from pufferfish.galore import GaLoreMethod
+    from pufferfish.baselines.galore import GaLoreMethod
 
     cfg = TrainConfig(model="transformer", data="kjv", mode="galore", lr=1e-3)
     model = build_at_width("transformer", 0.125, vocab_size=50)

@@ -370,7 +370,7 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
 
 def test_interrupt_during_a_checkpoint_write_is_deferred(tmp_path: Path) -> None:
     """SIGINT while a checkpoint is written: the write completes, then KeyboardInterrupt."""
-    from pufferfish.training.guards import signals_deferred
+    from pufferfish.training.checkpoint import signals_deferred
 
     # Python's Ctrl-C handler, also where pytest was started with SIGINT ignored (a background
     # job of a non-interactive shell; there a deferred SIGINT is rightly ignored as well).

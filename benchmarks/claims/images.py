@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import folders
+
 from claims import (
     DOCS,
     config_of,
@@ -97,8 +99,8 @@ def _alike(entry: dict[str, Any], fmt: str) -> str:
 
 def tta_claim(cache: Path) -> tuple[dict, dict]:
     """Time to DDP −0.5 at the paper's width over 100 Mbit/s, with the automatic buckets."""
-    folder = cache / "resnet18-w1-fashion-e20-gpu"
-    results = cache / "buckets-2026-12-05/w1-auto-idle/results.json"
+    folder = folders.folder(cache, "converged-resnet18")
+    results = folders.folder(cache, "converged-bench")
     names = {"ddp": ("full",), "pufferfish": ("puff",), "powersgd": POWERSGD_RUNS}
     methods, rows, used, curves = _timed(results, folder, names, [0, 1], "100mbit", 0.5)
     puff_worst = [r[0] if r else 0.0 for r in methods["pufferfish"]["rounds"].values()]
@@ -140,7 +142,7 @@ def tta_claim(cache: Path) -> tuple[dict, dict]:
 def composition_claim(cache: Path) -> tuple[dict, dict]:
     """Pufferfish + PowerSGD against PowerSGD at width 0.25 over 100 Mbit/s: to DDP −0.5 (the
     other rows' target, where the verdict is) and to DDP −1 (where the composition leads)."""
-    folder = cache / "resnet18-w0.25-fashion-e6"
+    folder = folders.folder(cache, "composition")
     results = folder / "bench/results.json"
     names = {"ddp": ("full",), "powersgd": ("psgd",), "pufferfish": ("puff",),
              "pufferfish+powersgd": ("puffpsgd",)}
@@ -210,7 +212,7 @@ def counts_claim(counts: dict[str, list[int]], source: str) -> dict:
 
 def accuracy_claim(cache: Path) -> dict:
     """Pufferfish against full rank at the paper's widths (one GPU)."""
-    r18, vgg = cache / "resnet18-w1-fashion-e20-gpu", cache / "vgg19-w1-fashion-e20-gpu"
+    r18, vgg = (folders.folder(cache, s) for s in ("converged-resnet18", "converged-vgg19"))
     methods = {"ResNet-18 gap": stats(_gaps(r18, "puff", [0, 1])),
                "VGG-19-BN gap": stats(_gaps(vgg, "puff", [0, 1]))}
     worst = min(min(v for v in m["seeds"].values()) for m in methods.values())
@@ -231,7 +233,7 @@ def accuracy_claim(cache: Path) -> dict:
 
 
 def warmup_claim(cache: Path) -> dict:
-    folder = cache / "resnet18-w1-fashion-e20-gpu"
+    folder = folders.folder(cache, "converged-resnet18")
     worth = {s: -v for s, v in _gaps(folder, "lowrank", [0, 1], ref="puff").items()}
     entry = stats(worth)
     return record(
@@ -250,12 +252,11 @@ def warmup_claim(cache: Path) -> dict:
 # -- make demo -------------------------------------------------------------------------------
 
 PEERS = ("ddp", "powersgd", "pufferfish", "pufferfish+powersgd")
-DEMO = "demo-peers-2026-12-05"  # the cache's newest `make demo` (benchmarks/demo.sh's 4 methods)
 
 
 def demo_claim(cache: Path) -> dict:
     """`make demo` as it runs now: who reaches DDP's final − 0.5 first over the 100 Mbit/s link."""
-    demo = cache / DEMO
+    demo = folders.folder(cache, "demo")
     runs = {m: demo / "train" / "100mbit" / m for m in PEERS
             if (demo / "train" / "100mbit" / m / "metrics.jsonl").is_file()}
     command = "make demo   (benchmarks/demo.sh)"

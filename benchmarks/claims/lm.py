@@ -8,13 +8,14 @@ import math
 from pathlib import Path
 
 import diloco_tta
+import folders
 
 from claims import DOCS, config_of, last_row, per_seed, record, stats
+from pufferfish.bench import time_to_target as ttt
 
 # -- DiLoCo on llama ----------------------------------------------------------------------------
 
-DILOCO = {10: ("diloco-llama-w0.25-kjv-e1", "diloco-llama-w0.25-kjv-e1-s1"),
-          30: ("diloco-llama-w0.25-kjv-e1-h30", "diloco-llama-w0.25-kjv-e1-h30-s1")}
+DILOCO = {h: tuple(folders.FOLDERS[f"diloco-h{h}-s{s}"] for s in (0, 1)) for h in (10, 30)}
 LIKE = {"diloco": "ddp", "powersgd": "ddp", "pufferfish+diloco": "pufferfish"}
 DILOCO_LINKS = {"100 Mbit/s": 1e8, "10 Mbit/s": 1e7}
 LINKS = {"100mbit": "100 Mbit/s", "10mbit": "10 Mbit/s"}
@@ -23,14 +24,14 @@ LINKS = {"100mbit": "100 Mbit/s", "10mbit": "10 Mbit/s"}
 def _diloco_times(run: Path, ref: Path, target: float) -> tuple[dict[str, float | None], list]:
     """Seconds to ``target`` (validation loss) per link, interpolated, with ``ref``'s compute per
     step (diloco_tta.py --compute-like), and the (step, ppl) points."""
-    rows, ref_rows = diloco_tta._rows(run), diloco_tta._rows(ref)
+    rows, ref_rows = diloco_tta.rows_of(run), diloco_tta.rows_of(ref)
     steps = next(r["steps"] for r in rows if "steps" in r)
     per_step = sum(r["compute_time"] for r in ref_rows) / sum(r.get("steps", 1) for r in ref_rows)
-    points = diloco_tta._points(run, rows, steps)
-    at = diloco_tta._reached(points, target, True)
-    times = {name: None if at is None else diloco_tta._clock(rows, steps, at, bps, per_step)
+    points = diloco_tta.points(run, rows, steps)
+    at = ttt.reach(points, target, interpolate=True)
+    times = {name: None if at is None else diloco_tta.clock(rows, steps, at, bps, per_step)
              for name, bps in DILOCO_LINKS.items()}
-    curve = [(diloco_tta._clock(rows, steps, s, 1e8, per_step), math.exp(loss))
+    curve = [(diloco_tta.clock(rows, steps, s, 1e8, per_step), math.exp(loss))
              for s, loss in points]
     return times, curve
 
@@ -71,8 +72,8 @@ def diloco_claim(cache: Path) -> tuple[dict, dict]:
     """Time to DDP's final validation perplexity + 5% (same seed), llama ¼, one epoch."""
     by_link: dict[str, dict[str, dict[int, float | None]]] = {k: {} for k in DILOCO_LINKS}
     sources, curves, targets, settings = [], {}, {}, {}
-    for h, folders in DILOCO.items():
-        for seed, name in enumerate(folders):
+    for h, names in DILOCO.items():
+        for seed, name in enumerate(names):
             folder = cache / name
             if not (folder / "ddp/metrics.jsonl").is_file():
                 continue
@@ -148,7 +149,7 @@ def budget_claim(cache: Path) -> dict:
     resolution; the 1 and 5 tokens/param runs reuse those LRs, so no claim rests on them."""
     import lm_budget
 
-    out = cache / "lm-budget"
+    out = folders.folder(cache, "lm-budget")
     rows = lm_budget.table(out) if out.is_dir() else []
     at = lm_budget.LR_BUDGET
     puff = lm_budget.best_pufferfish(out) if rows else None
@@ -186,18 +187,13 @@ def budget_claim(cache: Path) -> dict:
 
 
 def _round_times(row: dict, links_rows: dict[str, dict], link: str) -> tuple[float, float] | None:
-    """A links row's time to the target over ``link`` in the bench's best and worst rounds (the
-    full-rank steps before a switch at its full-rank counterpart's)."""
+    """A links row's time to the target over ``link`` in the bench's best and worst rounds
+    (lm_links.seconds_to: the full-rank steps before a switch at its full-rank counterpart's)."""
     import lm_links
 
-    median = row["seconds_to_target"][link]
-    if median is None:
-        return None
-    reach, own = row["steps_to_target"], row["step_s"][link]
-    before = links_rows.get(lm_links.FULL_PHASE.get(row["method"], row["method"]))
-    early = 0.0 if row["method"] not in lm_links.FULL_PHASE else min(
-        lm_links.switch_step(Path(row["run"])), reach)
-    return tuple(early * before["step_s"][link][i] + (reach - early) * own[i] for i in (1, 2))
+    full = links_rows.get(lm_links.FULL_PHASE.get(row["method"], row["method"]))
+    t = lm_links.seconds_to(row, None if full is None else full["step_s"][link], link)
+    return None if t is None else (t.low, t.high)
 
 
 def _links_verdict(found: dict, link: str) -> tuple[str | None, bool]:
@@ -221,7 +217,7 @@ def budget_links_claim(cache: Path) -> dict:
     import lm_budget
     import lm_links
 
-    out = cache / "lm-budget"
+    out = folders.folder(cache, "lm-budget")
     found = lm_links.results(out) if out.is_dir() else "not run"
     slow = ("100mbit", "10mbit")
     ready = (not isinstance(found, str) and all(link in found["links"] for link in slow)

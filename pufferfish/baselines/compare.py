@@ -17,7 +17,7 @@ Each run is an ordinary run directory under ``OUT`` (``pufferfish report`` reads
 resumed, not redone, when ``compare`` is run again (``--overwrite``: redone). Then every final model is rebuilt from its last
 checkpoint and timed on this machine's CPU (eval mode, batch 1 and 128, median of repeats), and
 ``OUT/compare.md`` (a table), ``OUT/compare.json`` and ``OUT/tradeoff.png`` are written, next to
-``report.md``/``accuracy.png`` (the per-epoch curves of :func:`~pufferfish.training.report.compare_runs`).
+``report.md``/``accuracy.png`` (the per-epoch curves of :func:`~pufferfish.report.compare_runs`).
 
 Honesty about LTH: its ``params`` are the *nonzero* ones, but its MACs and latency are measured on
 the dense network with zeros in it, because that is what dense kernels compute; the table says so.
@@ -48,11 +48,11 @@ from ..formatting import markdown_table
 from ..lowrank import factorize
 from ..lowrank.counting import count_params
 from ..outputs import claim_outputs, seal_outputs
+from ..report import REPORT_FILES, compare_runs
 from ..training import checkpoint as ckpt
 from ..training.loop import train
 from ..training.methods import build_method
 from ..training.metrics import read_metrics
-from ..training.report import REPORT_FILES, compare_runs
 
 __all__ = ["COMPARED_MODES", "compare", "measure_latency", "pufferfish_params", "ratio_for_params"]
 

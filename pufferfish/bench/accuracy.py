@@ -34,6 +34,7 @@ from ..formatting import markdown_table
 from ..training.metrics import read_metrics
 from ..training.startup import load_run_config
 from . import projection as proj
+from . import time_to_target as ttt
 from .bandwidth import format_bps
 from .step import (
     BENCH_METHODS,
@@ -43,6 +44,7 @@ from .step import (
     parse_method_map,
     sync_for,
 )
+from .time_to_target import StepTime
 
 __all__ = [
     "FASHION_MNIST_TEST",
@@ -196,11 +198,8 @@ def wallclock(
 ) -> list[float]:
     """Seconds of training at the end of each epoch: ``steps`` per epoch at ``full_step``
     seconds, or ``lowrank_step`` in epochs whose row says ``lowrank``."""
-    clock, out = 0.0, []
-    for row in rows:
-        clock += steps * (lowrank_step if row.get("lowrank") else full_step)
-        out.append(clock)
-    return out
+    return ttt.phase_ends([(steps, lowrank_step if row.get("lowrank") else full_step)
+                           for row in rows])
 
 
 def time_to_accuracy(
@@ -212,24 +211,9 @@ def time_to_accuracy(
     cumulative ``epoch_time`` (training without evaluation).
     """
     if times is None:
-        times, clock = [], 0.0
-        for row in rows:
-            clock += row["epoch_time"]
-            times.append(clock)
-    return next((t for row, t in zip(rows, times) if row["test_acc"] >= target), None)
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """A step time in seconds with its spread (``low``/``high``; equal when modelled)."""
-
-    median: float
-    low: float
-    high: float
-
-    @classmethod
-    def exact(cls, seconds: float) -> StepTime:
-        return cls(seconds, seconds, seconds)
+        times = ttt.phase_ends([(1, row["epoch_time"]) for row in rows])
+    return ttt.reach([(t, row["test_acc"]) for row, t in zip(rows, times)], target,
+                     higher_is_better=True)
 
 
 @dataclass(frozen=True)
@@ -369,11 +353,11 @@ def target_table(
 
 
 def _reach(curve: Curve, target: float) -> dict[str, Any]:
-    epoch = next((i for i, a in enumerate(curve.accuracies) if a >= target), None)
+    epoch = ttt.reach(list(enumerate(curve.accuracies, 1)), target, higher_is_better=True)
     if epoch is None:
         return {"epoch": None, "seconds": None, "seconds_low": None, "seconds_high": None}
-    return {"epoch": epoch + 1, "seconds": curve.times[epoch],
-            "seconds_low": curve.low[epoch], "seconds_high": curve.high[epoch]}
+    return {"epoch": epoch, "seconds": curve.times[epoch - 1],
+            "seconds_low": curve.low[epoch - 1], "seconds_high": curve.high[epoch - 1]}
 
 
 # -- report ------------------------------------------------------------------------------------

@@ -65,8 +65,8 @@ from pathlib import Path
 from typing import Any
 
 from ..outputs import claim_outputs, seal_outputs
+from ..report import compare_runs
 from ..training.metrics import read_metrics
-from ..training.report import compare_runs
 from . import accuracy as acc
 from .accuracy import time_to_accuracy
 from .bandwidth import format_bps, parse_link
@@ -400,7 +400,7 @@ def run_train(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
     """Train every method on every link; per link, a time-to-accuracy report and plot.
 
     Runs land in ``out/train/<bandwidth>/<method>``; ``out/train/<bandwidth>/report.md`` and
-    ``accuracy.png`` come from :func:`pufferfish.training.report.compare_runs` (accuracy
+    ``accuracy.png`` come from :func:`pufferfish.report.compare_runs` (accuracy
     against the summed epoch times, i.e. training wall-clock without evaluation).
     ``out/train_results.json`` has, per run, the time to reach the best accuracy that
     every run of that link reached.

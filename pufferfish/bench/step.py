@@ -63,7 +63,7 @@ All communication goes through the hook: DDP is built with ``broadcast_buffers=F
 which would put an uncounted collective into ``compute_time``). Batches are real
 Fashion-MNIST minibatches (language models: KJV word sequences of ``--seq-len`` tokens, words
 past id ``--vocab`` - 1 as one id), prepared before timing so data loading is never
-timed. ``galore`` is full-rank DDP with GaLore's optimizer (:mod:`pufferfish.galore`) on the layers
+timed. ``galore`` is full-rank DDP with GaLore's optimizer (:mod:`pufferfish.baselines.galore`) on the layers
 Pufferfish factorizes; ``--compile`` compiles every method's model (warm-up steps include it).
 
 Device (:func:`pick_device`): with ``--device auto`` each rank runs on a GPU when CUDA is there

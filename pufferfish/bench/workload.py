@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..baselines.galore import galore_optimizer, galore_ranks
 from ..config import TrainConfig
-from ..galore import galore_optimizer, galore_ranks
 from ..lowrank import factorize
 from ..lowrank.counting import count_params
 from ..models import build_at_width

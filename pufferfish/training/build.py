@@ -2,8 +2,9 @@
 
 :func:`prepare` builds what depends on the parameters (optimizer, DDP wrapper or FSDP2 shards,
 DiLoCo's state, comm hook, AMP scaler) for the model as it is now; :func:`rebuild` calls it again
-after a change, carrying over what state the method keeps; :func:`resume` calls it on the
-checkpoint's architecture and then loads every component from its entry (:func:`components`).
+after a change, carrying over what state the method keeps; :func:`checkpoint` saves every
+component's state (:func:`components`) and :func:`resume` calls :func:`prepare` on the
+checkpoint's architecture and then loads every component from its entry.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from ..distributed.hooks import hook_options, register_comm_hook
 from ..models.memory_format import to_channels_last
 from . import checkpoint as ckpt
 from . import startup
-from .guards import write_text
+from .checkpoint.ranks import save_from_ranks
+from .guards import TrainingError, all_finite, write_text
 from .methods import Change, Method
 from .run import Run
 from .rundir import record_run
@@ -101,6 +103,41 @@ def components(run: Run, method: Method, task: Task) -> tuple[dict[str, Any], di
         shared["sync"] = run.sync
         per_rank["optimizer"] = shared.pop("optimizer")
     return shared, per_rank
+
+
+def checkpoint(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
+               run_dir: Path) -> None:
+    """Every component's state (:func:`components`), checked finite on every rank, saved as one
+    checkpoint by :func:`~pufferfish.training.checkpoint.ranks.save_from_ranks`; a non-finite
+    state is a :class:`TrainingError` on every rank and nothing is written."""
+    progress = run.progress
+    finite = all_finite([*run.model.state_dict().values(), *_tensors(run.optimizer.state)])
+    if dist_env.all_reduce_sum([0.0 if finite else 1.0], env)[0]:
+        # The steps' losses and gradients were finite but the update overflowed the weights.
+        raise TrainingError(
+            f"non-finite parameters or optimizer state after epoch {progress.epoch}, step "
+            f"{progress.step_in_epoch} (global step {progress.global_step}): not saved; last "
+            f"good checkpoint: {run.last_checkpoint or 'none'}; lower --lr or set --grad-clip")
+    run.buckets.settle(run)  # a checkpoint holds a bucket choice, never half a trial
+    shared, per_rank = components(run, method, task)
+    fsdp2 = cfg.parallel == "fsdp"
+    run.last_checkpoint = save_from_ranks(
+        env, run_dir, progress.global_step,
+        {"config": cfg.to_dict(), "world_size": env.world_size}, shared, per_rank,
+        keep_last=cfg.keep_checkpoints,
+        sharded_state=(lambda: sharded_state(run)) if fsdp2 else None,
+        replicas=run.mesh.size(0) if fsdp2 and run.mesh is not None else None)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a nest of dicts and lists (the optimizer's state)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def resume(cfg: TrainConfig, env: DistEnv, method: Method, task: Task, model: nn.Module,

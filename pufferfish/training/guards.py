@@ -7,12 +7,9 @@ Ctrl-C and SIGTERM until it is done (``docs/reliability.md``).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
-import signal
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,6 +20,7 @@ from ..distributed import env as dist_env
 from ..distributed import fsdp
 from ..distributed.env import DistEnv
 from . import checkpoint as ckpt
+from .checkpoint import signals_deferred
 from .tasks import Task
 
 
@@ -101,29 +99,6 @@ def nonfinite_votes(loss: torch.Tensor, grads: list[torch.Tensor],
     return " and ".join(
         name + (f" on {int(v)} of {env.world_size} ranks" if env.distributed else "")
         for name, v in zip(names, votes) if v)
-
-
-@contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM for the duration of a file write, then deliver them.
-
-    The writes are atomic anyway (temp file + rename), so an interrupt could never leave half a
-    file; deferring it means Ctrl-C or torchrun's SIGTERM also does not throw away a checkpoint
-    that was a moment from complete. Only the main thread can install handlers.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, _frame: received.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        for s in dict.fromkeys(received):
-            signal.raise_signal(s)
 
 
 def write_text(path: Path, text: str) -> None:

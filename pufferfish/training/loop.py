@@ -16,7 +16,7 @@ inner steps, bytes per step) counts those.
 
 Resume: every stateful part of a run saves and loads its own state, and a checkpoint holds them
 by name (:func:`~pufferfish.training.build.components`, written by
-:func:`~pufferfish.training.checkpointing.checkpoint`): the method, the model, the optimizer,
+:func:`~pufferfish.training.build.checkpoint`): the method, the model, the optimizer,
 the AMP scaler and the run's progress once, and each rank's comm-hook state, epoch meter and task
 state in ``"ranks"``.
 
@@ -57,6 +57,7 @@ from .board import open_board, summary_writer
 from .budget import resolve_token_budget
 from .build import (
     SYNC_FIELDS,
+    checkpoint,
     ddp,
     note_buckets,
     prepare,
@@ -65,7 +66,6 @@ from .build import (
     resume,
     write_config,
 )
-from .checkpointing import checkpoint
 from .guards import (
     Interrupted,
     PeerError,

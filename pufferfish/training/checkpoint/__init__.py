@@ -41,8 +41,9 @@ What ``state`` may contain (everything else is refused at save time, naming the 
 * ``namedtuple``, dataclasses, ``defaultdict``, ``pathlib.Path``, enums: convert to
   plain dicts / lists / strings.
 
-One concern per module: ``files.py`` (layout and names), ``atomic.py`` (the one atomic write),
-``safety.py`` (what a state may hold), ``manifest.py`` (size + SHA-256, written and verified),
+One concern per module: ``files.py`` (layout and names), ``atomic.py`` (the one atomic write,
+signals held while it writes), ``ranks.py`` (a run's checkpoint from every rank: per-rank states
+gathered, rank 0 writes, every rank learns the outcome), ``safety.py`` (what a state may hold), ``manifest.py`` (size + SHA-256, written and verified),
 ``save.py`` (check, prepare, payload, manifest, prune), ``sharded.py`` (FSDP2: the model and
 optimizer as ``torch.distributed.checkpoint`` shards beside the payload, each file's SHA-256 in it),
 ``load.py`` (verify, then load without
@@ -50,7 +51,7 @@ pickles), ``resume.py`` (the newest checkpoint that loads), ``rejected.py`` (set
 deleted), ``compat.py`` (saved records against this run's), ``errors.py``.
 """
 
-from .atomic import atomic_write, atomic_write_text
+from .atomic import atomic_write, atomic_write_text, signals_deferred
 from .compat import verify_compatible
 from .errors import CheckpointError, CheckpointWarning, UnsafeCheckpointError
 from .files import CHECKPOINT_SUBDIR, REJECTED_SUBDIR, checkpoint_files, checkpoint_step
@@ -81,6 +82,7 @@ __all__ = [
     "save_checkpoint",
     "save_sharded",
     "set_aside",
+    "signals_deferred",
     "verify_compatible",
     "verify_sharded",
 ]

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -55,3 +57,26 @@ def atomic_write(final: Path, write: Callable[[IO[bytes]], None]) -> None:
 def atomic_write_text(path: Path, text: str) -> None:
     """:func:`atomic_write` of a small text file (metrics, config, records of the run)."""
     atomic_write(path, lambda f: f.write(text.encode()))
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM for the duration of a file write, then deliver them.
+
+    The writes are atomic anyway (temp file + rename), so an interrupt could never leave half a
+    file; deferring it means Ctrl-C or torchrun's SIGTERM also does not throw away a checkpoint
+    that was a moment from complete. Only the main thread can install handlers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _frame: received.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(received):
+            signal.raise_signal(s)

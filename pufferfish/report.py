@@ -11,10 +11,10 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from ..formatting import markdown_table
-from ..outputs import claim_outputs, seal_outputs
-from .checkpoint import atomic_write
-from .metrics import quality_key, read_metrics, selection_key
+from .formatting import markdown_table
+from .outputs import claim_outputs, seal_outputs
+from .training.checkpoint import atomic_write
+from .training.metrics import quality_key, read_metrics, selection_key
 
 __all__ = ["compare_runs", "summarize_run"]
 

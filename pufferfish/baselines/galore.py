@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ConfigError, TrainConfig
-from .lowrank import factorize
-from .method import FullRankMethod
-from .training.optim import decay_split
+from ..config import ConfigError, TrainConfig
+from ..lowrank import factorize
+from ..method import FullRankMethod
+from ..training.optim import decay_split
 
 __all__ = ["GaLoreMethod", "galore_optimizer", "galore_ranks"]
 
