@@ -29,13 +29,9 @@ WARMUP_ALLOWED = "an integer >= 0, a percentage of the epochs such as '20%', or 
 SCHEDULES = ("multistep", "cosine", "constant")
 NONFINITE = ("stop", "skip")
 SWITCH_MOMENTUM = ("reset", "project")  # DiLoCo's outer momentum at the switch
-# The inner optimizer's state at the switch. auto: SGD's momentum reset (the paper; the image
-# models' recipe unchanged); Adam's moments reset, and after the LR warm-up the LR re-warmed over
-# AUTO_SWITCH_LR_WARMUP of the run (ReLoRA's pairing): fresh moments come from the factors' own
-# gradients, not the dense weights' stale second moment, and take small steps until they have
-# averaged a few (docs/benchmarks.md, "Where the switch's cost comes from").
+# The inner optimizer's state at the switch; what each value means, and when the switch happens:
+# pufferfish/switch/schedule.py (the one home of both).
 SWITCH_STATE = ("auto", "reset", "project")
-AUTO_SWITCH_LR_WARMUP = 0.05
 OPTIMIZERS = ("auto", "sgd", "adamw")
 GALORE_PROJ_TYPES = ("std", "reverse_std", "right", "left", "full")
 # Defaults that differ by model: load_config applies them to the keys that neither the TOML file
@@ -73,9 +69,6 @@ PARALLEL = ("ddp", "fsdp")
 # auto: each layer's fastest kernel, timed at the switch; a name: that kernel wherever a layer has it
 KERNELS = ("auto", "fused", "loop")
 LOGGERS = ("none", "tensorboard")  # training/board.py
-# The automatic switch's default cap (max_warmup_epochs 0): a tenth of the run, the paper's warm-up,
-# but at least this many optimizer steps, which the short-run grids needed (docs/benchmarks.md).
-CAP_FRACTION, CAP_MIN_STEPS = 0.1, 150  # the optimizer state of the factors at the switch
 # The comm hooks' options (powersgd_rank, topk_ratio, ...) are fields placed after ``comm``,
 # with their defaults and allowed values from the hook registry (pufferfish.distributed.hooks).
 HOOK_OPTIONS = all_hook_options()
@@ -238,8 +231,8 @@ class TrainConfig:
                 raise ConfigError(f"warmup_epochs {w} is invalid with epochs {self.epochs}: "
                                   f"allowed 0 <= warmup_epochs < epochs, or 'auto'")
         if self.warmup_epochs == "auto" and self.mode == "pufferfish":
-            lo, hi = self.min_warmup_epochs, self.latest_auto_switch
-            if not 0 <= lo <= hi < self.epochs:
+            lo, hi = self.min_warmup_epochs, self.max_warmup_epochs  # 0: the default cap
+            if not 0 <= lo <= (hi if hi > 0 else self.epochs - 1) < self.epochs:
                 raise ConfigError(f"min_warmup_epochs {lo} / max_warmup_epochs {hi} are invalid "
                                   f"with epochs {self.epochs}: allowed 0 <= min <= max < epochs")
         _positive("switch_window", self.switch_window)
@@ -366,81 +359,11 @@ class TrainConfig:
 
     # -- derived values ------------------------------------------------------------------
     @property
-    def switch_epoch(self) -> int | str:
-        """``warmup_epochs`` parsed: the epoch the switch happens before, or ``"auto"``.
-
-        ``P%`` is that share of the epochs rounded up, and always before the last epoch: the
-        default 20% is the old default of 2 in a 10-epoch run, 1 in a 2-epoch run, and 0 (low
-        rank from the start) in a 1-epoch try."""
-        if self.warmup_epochs.endswith("%"):
-            share = float(self.warmup_epochs[:-1]) / 100 * self.epochs
-            return min(math.ceil(share - 1e-9), self.epochs - 1)
-        return "auto" if self.warmup_epochs == "auto" else int(self.warmup_epochs)
-
-    @property
-    def latest_auto_switch(self) -> int:
-        """The latest automatic switch epoch any run of this configuration may have:
-        ``max_warmup_epochs``, or half the run (the bound of :meth:`auto_switch_cap`)."""
-        if self.max_warmup_epochs > 0:
-            return self.max_warmup_epochs
-        return min(max(self.min_warmup_epochs, self.epochs // 2), max(0, self.epochs - 1))
-
-    def auto_switch_cap(self, steps_per_epoch: int) -> int:
-        """The latest automatic switch epoch of a run with ``steps_per_epoch`` steps per epoch.
-
-        ``max_warmup_epochs`` when set; else the first epoch boundary after both a tenth of the
-        run (the paper's warm-up) and ``CAP_MIN_STEPS`` optimizer steps, never after half the run.
-        At a constant learning rate the stable ranks keep falling by ~10% per epoch until the
-        first decay, so the cap, not the plateau test, decides most switches. Measured
-        (docs/benchmarks.md, "auto"): on all of Fashion-MNIST (469 steps per epoch) the old cap at
-        half the run switched later for no accuracy; in 8-epoch runs of 39 steps per epoch a
-        switch after 1-2 epochs cost up to 3 points.
-        """
-        if self.max_warmup_epochs > 0:
-            return self.max_warmup_epochs
-        want = max(self.min_warmup_epochs, math.ceil(CAP_FRACTION * self.epochs - 1e-9),
-                   math.ceil(CAP_MIN_STEPS / max(1, steps_per_epoch)))
-        return min(want, self.latest_auto_switch)
-
-    @property
     def optimizer_name(self) -> str:
         """``optimizer`` with ``auto`` resolved by :data:`MODEL_DEFAULTS` (else ``sgd``)."""
         if self.optimizer != "auto":
             return self.optimizer
         return MODEL_DEFAULTS.get(self.model, {}).get("optimizer", "sgd")
-
-    @property
-    def switch_state(self) -> str:
-        """``switch_momentum`` with ``auto`` resolved: ``reset`` for every optimizer."""
-        return "reset" if self.switch_momentum == "auto" else self.switch_momentum
-
-    def switch_lr_rewarm(self, switch_step: int, steps_per_epoch: int) -> float:
-        """The LR re-warm-up after a switch before global step ``switch_step``:
-        ``switch_lr_warmup``, or, under ``switch_momentum`` auto with AdamW and none given,
-        :data:`AUTO_SWITCH_LR_WARMUP` when the switch falls after the LR warm-up (inside it the
-        schedule still ramps: a second ramp only slows the run, measured)."""
-        if (self.switch_lr_warmup or self.switch_momentum != "auto"
-                or self.optimizer_name != "adamw"
-                or switch_step < round(self.lr_warmup_epochs * steps_per_epoch)):
-            return self.switch_lr_warmup
-        return AUTO_SWITCH_LR_WARMUP
-
-    @property
-    def warmup_share_in_steps(self) -> float:
-        """``P%`` of a 1-epoch run, which no whole epoch matches: the switch is before that share
-        of its optimizer steps instead of at the start (0.0: a switch in epochs, or no share)."""
-        if self.epochs == 1 and self.warmup_epochs.endswith("%") and not self.warmup_steps:
-            return float(self.warmup_epochs[:-1]) / 100
-        return 0.0
-
-    def switch_step(self, total_steps: int) -> int | None:
-        """The optimizer step before which the switch happens (``warmup_steps``, or
-        :attr:`warmup_share_in_steps`), or None. A fraction of the run is at least one step: a
-        10% warm-up of a 4-step try trains one full-rank step, not none."""
-        w = self.warmup_steps or self.warmup_share_in_steps
-        if not w:
-            return None
-        return max(1, round(w * total_steps)) if w < 1 else int(w)
 
     @property
     def ratio(self) -> float | str:
