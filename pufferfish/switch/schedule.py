@@ -122,7 +122,9 @@ class SwitchSchedule:
             epoch = self.switch_epoch
             return None if epoch == "auto" or steps_per_epoch is None else int(epoch) * steps_per_epoch
         w = self.warmup_steps or self.share_in_steps
-        at = int(w) if w >= 1 else max(1, round(w * self.epochs * (steps_per_epoch or 0)))
+        if w < 1 and not (steps_per_epoch and self.epochs):
+            raise ValueError(f"a switch after {w:g} of the run needs its epochs and steps per epoch")
+        at = int(w) if w >= 1 else max(1, round(w * self.epochs * steps_per_epoch))
         if self.inner_steps and steps_per_epoch:  # DiLoCo: the next synchronized step
             h = self.inner_steps
             at = min(-(-at // h) * h, -(-at // steps_per_epoch) * steps_per_epoch)
