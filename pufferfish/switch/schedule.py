@@ -4,13 +4,15 @@
 steps per epoch). ``warmup_epochs=N``: before the first step of epoch N; ``"P%"``: N is P% of the
 epochs rounded up, never the last epoch (in a 1-epoch run, P% of its steps instead, mid-epoch).
 ``warmup_steps=S``: before global step S (a fraction < 1: of the run's steps, at least 1); under
-DiLoCo at the next outer-step boundary from there (every ``inner_steps`` steps, each epoch start).
+DiLoCo at the next outer-step boundary from there (every ``inner_steps`` steps, each epoch start;
+the epoch forms are boundaries already).
 ``"auto"``: at the first epoch start after every stable rank settled, observed every
 ``observe_every`` steps (4 times an epoch by default), from ``min_warmup`` epochs, at the latest at
 the cap (``max_warmup``, or: a tenth of the run but at least 150 steps, at most half the run).
 After the switch the LR ramps from 1/W of the schedule's back to it over W steps
 (``switch_lr_warmup``; ``switch_momentum="auto"`` with AdamW: 5% of the run if the switch is past
-the LR warm-up).
+the LR warm-up): ``pufferfish train`` applies it; with ``Recipe`` or a trainer, the user's
+scheduler owns the LR (:meth:`SwitchSchedule.lr_scale` is the factor to apply).
 
 **What the optimizer carries** (:func:`carry_state`, the same for ``pufferfish train``,
 :class:`~pufferfish.Recipe` and the trainer callbacks). ``"reset"`` (the paper; ``"auto"`` too):
