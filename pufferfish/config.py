@@ -231,9 +231,10 @@ class TrainConfig:
                 raise ConfigError(f"warmup_epochs {w} is invalid with epochs {self.epochs}: "
                                   f"allowed 0 <= warmup_epochs < epochs, or 'auto'")
         if self.warmup_epochs == "auto" and self.mode == "pufferfish":
-            lo, hi = self.min_warmup_epochs, self.max_warmup_epochs  # 0: the default cap
+            lo, hi = self.min_warmup_epochs, self.max_warmup_epochs
             if not 0 <= lo <= (hi if hi > 0 else self.epochs - 1) < self.epochs:
-                raise ConfigError(f"min_warmup_epochs {lo} / max_warmup_epochs {hi} are invalid "
+                shown = hi if hi > 0 else f"0 (the default cap, at most {self.epochs - 1})"
+                raise ConfigError(f"min_warmup_epochs {lo} / max_warmup_epochs {shown} are invalid "
                                   f"with epochs {self.epochs}: allowed 0 <= min <= max < epochs")
         _positive("switch_window", self.switch_window)
         if self.rank_ratio != "auto":
