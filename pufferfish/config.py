@@ -46,8 +46,6 @@ from .options.checks import choice as _choice
 __all__ = ["HOOK_OPTIONS", "ConfigError", "TrainConfig", "choices"]
 
 WARMUP_ALLOWED = "an integer >= 0, a percentage of the epochs such as '20%', or 'auto'"
-# switch_momentum auto's LR re-warm-up with AdamW (options.groups.SWITCH_STATE says why)
-AUTO_SWITCH_LR_WARMUP = 0.05
 # Defaults that differ by model: load_config applies them to the keys that neither the TOML file
 # nor a flag sets, and optimizer "auto" reads its choice here (sgd for a model not listed: the
 # paper's recipe for the CNNs, the LSTM and the small transformer is unchanged). The LM recipe:
@@ -78,9 +76,6 @@ def llama_lr(width: float) -> float:
     lo = widths[widths.index(hi) - 1]
     f = math.log(width / lo) / math.log(hi / lo)
     return math.exp((1 - f) * math.log(LLAMA_LR_MEASURED[lo]) + f * math.log(LLAMA_LR_MEASURED[hi]))
-# The automatic switch's default cap (max_warmup_epochs 0): a tenth of the run, the paper's warm-up,
-# but at least this many optimizer steps, which the short-run grids needed (docs/benchmarks.md).
-CAP_FRACTION, CAP_MIN_STEPS = 0.1, 150  # the optimizer state of the factors at the switch
 
 
 # The bases in reverse: a dataclass takes its bases' fields from the last base to the first, so
@@ -115,9 +110,10 @@ class TrainConfig(RunOptions, DistributedOptions, LMOptions, OptimizerOptions, T
                 raise ConfigError(f"warmup_epochs {w} is invalid with epochs {self.epochs}: "
                                   f"allowed 0 <= warmup_epochs < epochs, or 'auto'")
         if self.warmup_epochs == "auto" and self.mode == "pufferfish":
-            lo, hi = self.min_warmup_epochs, self.latest_auto_switch
-            if not 0 <= lo <= hi < self.epochs:
-                raise ConfigError(f"min_warmup_epochs {lo} / max_warmup_epochs {hi} are invalid "
+            lo, hi = self.min_warmup_epochs, self.max_warmup_epochs
+            if not 0 <= lo <= (hi if hi > 0 else self.epochs - 1) < self.epochs:
+                shown = hi if hi > 0 else f"0 (the default cap, at most {self.epochs - 1})"
+                raise ConfigError(f"min_warmup_epochs {lo} / max_warmup_epochs {shown} are invalid "
                                   f"with epochs {self.epochs}: allowed 0 <= min <= max < epochs")
         self._validate_baselines()
         self._validate_optimizer()
@@ -192,81 +188,11 @@ class TrainConfig(RunOptions, DistributedOptions, LMOptions, OptimizerOptions, T
 
     # -- derived values ------------------------------------------------------------------
     @property
-    def switch_epoch(self) -> int | str:
-        """``warmup_epochs`` parsed: the epoch the switch happens before, or ``"auto"``.
-
-        ``P%`` is that share of the epochs rounded up, and always before the last epoch: the
-        default 20% is the old default of 2 in a 10-epoch run, 1 in a 2-epoch run, and 0 (low
-        rank from the start) in a 1-epoch try."""
-        if self.warmup_epochs.endswith("%"):
-            share = float(self.warmup_epochs[:-1]) / 100 * self.epochs
-            return min(math.ceil(share - 1e-9), self.epochs - 1)
-        return "auto" if self.warmup_epochs == "auto" else int(self.warmup_epochs)
-
-    @property
-    def latest_auto_switch(self) -> int:
-        """The latest automatic switch epoch any run of this configuration may have:
-        ``max_warmup_epochs``, or half the run (the bound of :meth:`auto_switch_cap`)."""
-        if self.max_warmup_epochs > 0:
-            return self.max_warmup_epochs
-        return min(max(self.min_warmup_epochs, self.epochs // 2), max(0, self.epochs - 1))
-
-    def auto_switch_cap(self, steps_per_epoch: int) -> int:
-        """The latest automatic switch epoch of a run with ``steps_per_epoch`` steps per epoch.
-
-        ``max_warmup_epochs`` when set; else the first epoch boundary after both a tenth of the
-        run (the paper's warm-up) and ``CAP_MIN_STEPS`` optimizer steps, never after half the run.
-        At a constant learning rate the stable ranks keep falling by ~10% per epoch until the
-        first decay, so the cap, not the plateau test, decides most switches. Measured
-        (docs/benchmarks.md, "auto"): on all of Fashion-MNIST (469 steps per epoch) the old cap at
-        half the run switched later for no accuracy; in 8-epoch runs of 39 steps per epoch a
-        switch after 1-2 epochs cost up to 3 points.
-        """
-        if self.max_warmup_epochs > 0:
-            return self.max_warmup_epochs
-        want = max(self.min_warmup_epochs, math.ceil(CAP_FRACTION * self.epochs - 1e-9),
-                   math.ceil(CAP_MIN_STEPS / max(1, steps_per_epoch)))
-        return min(want, self.latest_auto_switch)
-
-    @property
     def optimizer_name(self) -> str:
         """``optimizer`` with ``auto`` resolved by :data:`MODEL_DEFAULTS` (else ``sgd``)."""
         if self.optimizer != "auto":
             return self.optimizer
         return MODEL_DEFAULTS.get(self.model, {}).get("optimizer", "sgd")
-
-    @property
-    def switch_state(self) -> str:
-        """``switch_momentum`` with ``auto`` resolved: ``reset`` for every optimizer."""
-        return "reset" if self.switch_momentum == "auto" else self.switch_momentum
-
-    def switch_lr_rewarm(self, switch_step: int, steps_per_epoch: int) -> float:
-        """The LR re-warm-up after a switch before global step ``switch_step``:
-        ``switch_lr_warmup``, or, under ``switch_momentum`` auto with AdamW and none given,
-        :data:`AUTO_SWITCH_LR_WARMUP` when the switch falls after the LR warm-up (inside it the
-        schedule still ramps: a second ramp only slows the run, measured)."""
-        if (self.switch_lr_warmup or self.switch_momentum != "auto"
-                or self.optimizer_name != "adamw"
-                or switch_step < round(self.lr_warmup_epochs * steps_per_epoch)):
-            return self.switch_lr_warmup
-        return AUTO_SWITCH_LR_WARMUP
-
-    @property
-    def warmup_share_in_steps(self) -> float:
-        """``P%`` of a 1-epoch run, which no whole epoch matches: the switch is before that share
-        of its optimizer steps instead of at the start (0.0: a switch in epochs, or no share)."""
-        if self.epochs == 1 and self.warmup_epochs.endswith("%") and not self.warmup_steps:
-            return float(self.warmup_epochs[:-1]) / 100
-        return 0.0
-
-    def switch_step(self, total_steps: int) -> int | None:
-        """The optimizer step before which the switch happens (``warmup_steps``, or
-        :attr:`warmup_share_in_steps`), or None. A fraction of the run is at least one step: a
-        10% warm-up of a 4-step try trains one full-rank step, not none."""
-        w = self.warmup_steps or self.warmup_share_in_steps
-        if not w:
-            return None
-        return max(1, round(w * total_steps)) if w < 1 else int(w)
 
     @property
     def ratio(self) -> float | str:

@@ -17,7 +17,7 @@ from torch import nn
 from .auto import frobenius_decay, frobenius_decay_params
 from .config import ConfigError, TrainConfig
 from .lowrank import LowRankModule, count_macs
-from .switch import FactorizationPlan, Switch, SwitchPolicy, projected_state
+from .switch import FactorizationPlan, Switch, SwitchPolicy, SwitchSchedule, carry_state
 from .training.methods.base import Change, Method
 
 __all__ = ["FullRankMethod", "PufferfishMethod"]
@@ -47,11 +47,10 @@ class PufferfishMethod(FullRankMethod):
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
+        self.schedule = SwitchSchedule.from_config(cfg)  # every rule of when, and the carry
         self.switch = Switch(
-            SwitchPolicy(0 if cfg.mode == "lowrank" else cfg.switch_epoch,
-                         track=cfg.ratio == "auto", earliest=cfg.min_warmup_epochs,
-                         latest=cfg.latest_auto_switch, threshold=cfg.switch_threshold,
-                         window=cfg.switch_window),
+            SwitchPolicy(self.schedule, track=cfg.ratio == "auto",
+                         threshold=cfg.switch_threshold, window=cfg.switch_window),
             FactorizationPlan(cfg.ratio, "auto" if cfg.keep_auto else cfg.keep,
                               max_rank_ratio=cfg.max_rank_ratio,
                               preset=None if cfg.preset == "none" else cfg.preset,
@@ -62,25 +61,21 @@ class PufferfishMethod(FullRankMethod):
         self.switch.plan.example_input = example_input
         self.switch.observe(0, model)  # checks the plan; automatic: the stable ranks at init
 
-    @property
-    def in_steps(self) -> bool:
-        """Whether the switch point is in optimizer steps (``warmup_steps``, or a share warm-up of
-        a 1-epoch run), not epochs."""
-        return self.cfg.mode == "pufferfish" and self.cfg.switch_step(1) is not None
+    def start_text(self, steps_per_epoch: int) -> str | None:
+        return self.schedule.describe(steps_per_epoch)
 
     def on_epoch_start(self, epoch: int, model: nn.Module) -> Change | None:
-        if self.in_steps or not self.switch.due(epoch, model):
+        if not self.switch.due(epoch, model):
             return None
         return self._switch(epoch, model, f"epoch {epoch}", {})
 
     def on_step_start(self, epoch: int, step: int, steps: int, model: nn.Module) -> Change | None:
-        """``warmup_steps``: the switch before global step ``cfg.switch_step`` (mid-epoch); under
-        DiLoCo before the first step from there that follows an outer step (synchronized weights:
-        every ``inner_steps`` steps and at each epoch's start)."""
-        if not self.in_steps or self.switch.switched:
+        """A switch in steps (``warmup_steps``, a share of a 1-epoch run), mid-epoch, where the
+        schedule puts it (:meth:`~pufferfish.switch.SwitchSchedule.switch_step`)."""
+        if not self.schedule.in_steps or self.switch.switched:
             return None
         total = self.cfg.epochs * steps
-        at = self._step_switch(steps)
+        at = self.schedule.switch_step(steps)
         if at is None or at >= total:
             given = (f"warmup_steps {self.cfg.warmup_steps:g}" if self.cfg.warmup_steps else
                      f"warmup_epochs {self.cfg.warmup_epochs} (step {at})")
@@ -89,35 +84,19 @@ class PufferfishMethod(FullRankMethod):
                               "last step" + (" (under DiLoCo, on an outer step)"
                                              if self.cfg.sync == "diloco" else ""))
         global_step = epoch * steps + step
-        if global_step < at:
+        if not self.schedule.due_at_step(global_step, steps):
             return None
         return self._switch(epoch, model, f"step {global_step} (epoch {epoch}, step {step})",
                             {"step": global_step})
 
-    def _step_switch(self, steps: int) -> int | None:
-        """``warmup_steps``' switch step (under DiLoCo the next outer step from there)."""
-        at = self.cfg.switch_step(self.cfg.epochs * steps)
-        if at is not None and self.cfg.sync == "diloco":
-            h = self.cfg.inner_steps
-            at = min(-(-at // h) * h, -(-at // steps) * steps)
-        return at
-
     def lr_scale(self, global_step: int, steps_per_epoch: int) -> float:
-        """The LR re-warm-up after the switch (``cfg.switch_lr_rewarm``: ``switch_lr_warmup``,
-        or ``switch_momentum`` auto's): the LR ramps linearly from 1/W of the schedule's back
-        to it over W steps, as ReLoRA does after each of its resets: the factors (and, with
-        ``reset``, Adam's fresh moments) start with small steps."""
-        if not self.switch.switched or self.cfg.mode != "pufferfish":
+        """The schedule's LR re-warm-up after the switch
+        (:meth:`~pufferfish.switch.SwitchSchedule.lr_scale`)."""
+        if not self.switch.switched:
             return 1.0
-        at = (self._step_switch(steps_per_epoch) if self.in_steps else
+        at = (self.schedule.switch_step(steps_per_epoch) if self.schedule.in_steps else
               int(self.switch.policy.switched_at or 0) * steps_per_epoch) or 0
-        ramp = self.cfg.switch_lr_rewarm(at, steps_per_epoch)
-        if ramp <= 0:
-            return 1.0
-        total = self.cfg.epochs * steps_per_epoch
-        width = max(1, round(ramp * total) if ramp < 1 else int(ramp))
-        since = global_step - at
-        return 1.0 if since >= width else (max(0, since) + 1) / width
+        return self.schedule.lr_scale(global_step, at, steps_per_epoch)
 
     def _switch(self, epoch: int, model: nn.Module, when: str,
                 record: dict[str, Any]) -> Change:
@@ -130,34 +109,24 @@ class PufferfishMethod(FullRankMethod):
 
     def carry_state(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer,
                     before: dict[str, torch.Tensor], model: nn.Module) -> None:
-        """``switch_momentum = "project"``: every parameter that survives the switch keeps its
-        optimizer state, and each low-rank layer's factors get the state of the dense weights
-        they replace, projected (:func:`~pufferfish.switch.projected_state`: SGD's momentum and
-        Adam's first moment by the chain rule, Adam's second moment through the squared factors,
-        Adam's step count kept). ``"reset"`` (the paper): nothing carried, every parameter
-        starts with empty state (Adam: moments zero, bias correction from step 0)."""
-        if self.cfg.switch_state == "project":
-            _carry_projected(old, new, before, model)
+        """The fresh optimizer starts with what :func:`~pufferfish.switch.carry_state` says for
+        ``switch_momentum`` (reset/auto: nothing; project: survivors' state, factors' projected)."""
+        new.state.update(carry_state(old.state, before, model, self.schedule.carry))
 
     def carry_outer_state(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer,
                           before: dict[str, torch.Tensor], model: nn.Module) -> None:
-        """DiLoCo's outer Nesterov momentum across the switch: ``outer_switch_momentum``
-        ``"project"`` carries it onto the factors as :meth:`carry_state` does the inner
-        momentum; ``"reset"`` restarts it from zero."""
-        if self.cfg.outer_switch_momentum == "project":
-            _carry_projected(old, new, before, model)
+        """DiLoCo's outer Nesterov momentum across the switch, by the same rule
+        (``outer_switch_momentum``: ``reset`` restarts it from zero, ``project`` carries it)."""
+        new.state.update(carry_state(old.state, before, model, self.cfg.outer_switch_momentum))
 
     def on_step_end(self, epoch: int, step: int, steps: int, model: nn.Module) -> None:
-        # Between epoch ends, feed the switch detector every N steps so that its window (in
-        # epochs) is covered by several observations even in short runs.
-        if self.switch.policy.warmup_epochs != "auto" or self.switch.switched:
+        # Between epoch ends, feed the switch detector as often as the schedule says, so that
+        # its window (in epochs) is covered by several observations even in short runs.
+        if not self.schedule.auto or self.switch.switched:
             return
         if epoch == 0 and step == 1:  # the cap may depend on the steps per epoch
-            self.switch.policy.cap(self.cfg.auto_switch_cap(steps))
-        if step >= steps:
-            return
-        every = self.cfg.stable_rank_every_steps or max(1, steps // 4)
-        if step % every == 0:
+            self.switch.policy.cap(steps)
+        if step < steps and step % self.schedule.observe_every(steps) == 0:
             self.switch.observe(epoch + step / steps, model)
 
     def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -195,14 +164,3 @@ class PufferfishMethod(FullRankMethod):
         self.switch.load_state_dict(state, model)
         self.switch.plan.rebuild(model)  # the exact factorized architecture
 
-
-def _carry_projected(old: torch.optim.Optimizer, new: torch.optim.Optimizer,
-                     before: dict[str, torch.Tensor], model: nn.Module) -> None:
-    """Survivors keep their optimizer state in ``new``; each factor gets its dense weight's
-    state projected (:func:`~pufferfish.switch.projected_state`)."""
-    for p in model.parameters():
-        if p in old.state:
-            new.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                            for k, v in old.state[p].items()}
-    for p, entry in projected_state(old.state, before, model).items():
-        new.state[p] = entry

@@ -6,9 +6,12 @@ the optimizer, LR scheduler and DDP wrapper the user built keep working, unchang
 1. factorize the (unwrapped) model in place, identically on every rank (same weights, same plan);
 2. edit the user's optimizer in place (:func:`swap_parameters`): the same object, the same
    parameter groups with every hyperparameter and learning rate. Each replaced dense weight leaves
-   its group and its state (momentum, Adam moments) is deleted, the momentum reset of the paper;
-   its factors join that group, a new bias the group of the old bias (decay / no-decay groups
-   survive). Every other parameter keeps its state: it is the same tensor, and still valid;
+   its group; its factors join that group, a new bias the group of the old bias (decay / no-decay
+   groups survive). The state of every parameter is then what
+   :func:`~pufferfish.switch.carry_state` says, as in ``pufferfish train``: with ``"reset"`` (the
+   paper, the default) every parameter of the model starts empty, surviving ones too (momentum
+   and Adam moments from zero, Adam's step count from 0); with ``"project"`` survivors keep theirs
+   and the factors get their dense weight's, projected;
 3. the LR scheduler needs nothing: it holds the same optimizer, whose groups and LRs did not
    change, so the LR sequence is exactly that of the run without the switch (any
    ``torch.optim.lr_scheduler`` or ``transformers`` schedule);
@@ -73,7 +76,14 @@ from .distributed import fsdp
 from .distributed.buckets import AUTO, TORCH, bucket_overrides, parse_bucket_mb
 from .distributed.env import ddp_options, rewrap_ddp
 from .lowrank.presets import DEFAULT_PRESET
-from .switch import FactorizationPlan, Switch, SwitchPolicy, projected_state
+from .switch import (
+    FactorizationPlan,
+    Switch,
+    SwitchPolicy,
+    SwitchSchedule,
+    carry_state,
+    install_state,
+)
 
 __all__ = ["ParameterSwap", "Recipe", "swap_parameters"]
 
@@ -104,12 +114,15 @@ class Recipe:
         min_warmup, max_warmup: bounds of the automatic switch epoch.
         switch_threshold, switch_window: the automatic switch's plateau test, see
             :class:`~pufferfish.auto.SwitchDetector` (change per epoch, window in epochs).
-        switch_momentum: ``"reset"`` (the paper): a replaced weight's state is deleted;
-            ``"project"``: its SGD momentum or Adam moments are projected onto its factors
-            (:func:`~pufferfish.switch.projected_state`); other state keys start empty.
+        switch_momentum: what the optimizer carries, the one meaning of
+            :mod:`pufferfish.switch.schedule`: ``"reset"`` (the paper): every parameter's state
+            starts empty, survivors' included; ``"project"``: survivors keep theirs, a replaced
+            weight's SGD momentum or Adam moments are projected onto its factors
+            (:func:`~pufferfish.switch.projected_state`); ``"auto"``: ``"reset"``.
             (``pufferfish train``'s ``auto`` also re-warms the LR after an AdamW reset: it owns
-            the schedule; here your scheduler does, and a short ramp of it after the switch is
-            what the LM budget study measured best with AdamW.)
+            the schedule; here your scheduler does, and a short ramp of it after the switch,
+            :meth:`~pufferfish.switch.SwitchSchedule.lr_scale`, is what the LM budget study
+            measured best with AdamW.)
         bucket_mb: DDP's gradient bucket cap (MiB) of the wrapper re-built at the switch, sized
             for the smaller model; ``"torch"``: torch's default; None: the user's wrapper's.
             (``"auto"``, timed on real steps, is ``pufferfish train``'s: it owns the steps.)
@@ -136,20 +149,22 @@ class Recipe:
         if not isinstance(keep, str) and isinstance(keep, Iterable):
             keep = list(keep)  # checked, then used: an iterator must be read once
         _check_arguments(locals())
-        policy = SwitchPolicy(warmup_epochs, track=rank_ratio == "auto", earliest=min_warmup,
-                              latest=max_warmup, threshold=switch_threshold,
+        schedule = SwitchSchedule(warmup=warmup_epochs, min_warmup=min_warmup,
+                                  max_warmup=max_warmup, momentum=switch_momentum)
+        policy = SwitchPolicy(schedule, track=rank_ratio == "auto", threshold=switch_threshold,
                               window=switch_window)
         plan = FactorizationPlan(rank_ratio, keep, max_rank_ratio=max_rank_ratio, preset=preset,
                                  keep_first=keep_first, extra_bn=extra_bn,
                                  example_input=example_input)
         self.switch_owner = Switch(policy, plan)
         self.on_wrap = on_wrap
-        self.switch_momentum = switch_momentum
         self.bucket_mb = bucket_mb
         self.parameter_swap: ParameterSwap | None = None  # what the switch did to the optimizer
         self._wrapper_checked = False
 
     # What the switch owner knows, under the names this class has always had.
+    schedule = property(lambda self: self.switch_owner.policy.schedule)
+    switch_momentum = property(lambda self: self.schedule.momentum)
     warmup_epochs = property(lambda self: self.switch_owner.policy.warmup_epochs)
     rank_ratio = property(lambda self: self.switch_owner.plan.rank_ratio)
     example_input = property(lambda self: self.switch_owner.plan.example_input)
@@ -231,7 +246,7 @@ class Recipe:
         self._check_wrapper(model)
         inner = _unwrap(model)
         sharded = fsdp.is_sharded(inner)
-        if sharded and self.switch_momentum == "project":
+        if sharded and self.schedule.carry == "project":
             raise ValueError("switch_momentum 'project' is invalid on a fully_shard-ed model (it "
                              "needs each dense weight's whole momentum): allowed 'reset'")
         before = dict(inner.named_parameters(remove_duplicate=False))
@@ -242,12 +257,7 @@ class Recipe:
             before = _follow_resharded(optimizer, before, owners, _owners(inner),
                                        dict(inner.named_parameters(remove_duplicate=False)))
         if optimizer is not None:
-            carried = (projected_state(optimizer.state, before, inner)
-                       if self.switch_momentum == "project" else {})
-            self.parameter_swap = swap_parameters(
-                optimizer, before, dict(inner.named_parameters(remove_duplicate=False)))
-            for p, entry in carried.items():
-                optimizer.state[p].update(entry)
+            self.parameter_swap = self.carry_into(optimizer, inner, before)
         if isinstance(model, DistributedDataParallel):
             buckets = ({} if self.bucket_mb is None else bucket_overrides(
                 None if self.bucket_mb == TORCH else float(self.bucket_mb)))
@@ -255,6 +265,21 @@ class Recipe:
             if self.on_wrap is not None:
                 self.on_wrap(model)
         return model, optimizer, scheduler
+
+
+    def carry_into(self, optimizer: torch.optim.Optimizer, model: nn.Module,
+                   before: Mapping[str, torch.Tensor]) -> ParameterSwap:
+        """Edit ``optimizer`` after ``model`` (unwrapped) was switched (``before``: its named
+        parameters until then): the parameters swapped in place (:func:`swap_parameters`), and
+        every parameter's state what :func:`~pufferfish.switch.carry_state` says, as in
+        ``pufferfish train`` (reset: all empty, survivors too; project: survivors' kept,
+        factors' projected)."""
+        carried = carry_state(optimizer.state, before, model, self.schedule.carry)
+        swap = swap_parameters(optimizer, before,
+                               dict(model.named_parameters(remove_duplicate=False)))
+        if not isinstance(optimizer, torch.optim.LBFGS):  # its state is global: reset entirely
+            install_state(optimizer, model, carried)
+        return swap
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> None:
@@ -473,8 +498,8 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
         raise bad("switch_threshold", "a number >= 0 (relative change per epoch)")
     if not (number(args["switch_window"]) and args["switch_window"] > 0):
         raise bad("switch_window", "a number of epochs > 0")
-    if args["switch_momentum"] not in ("reset", "project"):
-        raise bad("switch_momentum", "'reset' or 'project'")
+    if args["switch_momentum"] not in ("auto", "reset", "project"):
+        raise bad("switch_momentum", "'reset', 'project' or 'auto' (= 'reset')")
     bucket_mb = args["bucket_mb"]
     with_none = "None, 'torch' or a bucket cap in MiB > 0"
     if bucket_mb is not None and (bucket_mb == AUTO or isinstance(bucket_mb, bool)):

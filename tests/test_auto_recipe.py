@@ -13,6 +13,7 @@ from torch import nn
 import pufferfish as pf
 from pufferfish.config import TrainConfig
 from pufferfish.lowrank import LowRankLinear
+from pufferfish.switch import SwitchSchedule
 
 
 def _toy() -> nn.Module:
@@ -128,11 +129,11 @@ def test_two_process_automatic_lm_run_agrees_on_every_decision(tmp_path: Path) -
     (5, 114, 2),  # the LSTM grid
     (90, 5000, 9), (3, 8, 1)])
 def test_default_auto_switch_cap(epochs: int, steps: int, cap: int) -> None:
-    cfg = TrainConfig(epochs=epochs, warmup_epochs="auto")
-    assert cfg.auto_switch_cap(steps) == cap
-    assert cfg.auto_switch_cap(steps) <= cfg.latest_auto_switch
+    when = SwitchSchedule.from_config(TrainConfig(epochs=epochs, warmup_epochs="auto"))
+    assert when.auto_cap(steps) == cap
+    assert when.auto_cap(steps) <= when.latest_auto_epoch
     fixed = TrainConfig(epochs=epochs, warmup_epochs="auto", max_warmup_epochs=1)
-    assert fixed.auto_switch_cap(steps) == 1
+    assert SwitchSchedule.from_config(fixed).auto_cap(steps) == 1
 
 
 def test_run_switches_at_the_default_cap_and_keeps_it_on_resume(tmp_path: Path) -> None:

@@ -193,6 +193,6 @@ def test_recipe_projects_sgd_momentum_onto_the_factors_of_the_users_optimizer() 
     torch.testing.assert_close(optimizer.state[v]["momentum_buffer"], u.detach().T @ dense)
     torch.testing.assert_close(optimizer.state[model[0].weight]["momentum_buffer"], kept)
     optimizer.step()  # SGD takes the carried buffers as they are
-    with pytest.raises(ValueError, match=r"^switch_momentum 'keep' is invalid: allowed 'reset' "
-                                         r"or 'project'$"):
+    with pytest.raises(ValueError, match=r"^switch_momentum 'keep' is invalid: allowed 'reset', "
+                                         r"'project' or 'auto' \(= 'reset'\)$"):
         pf.Recipe(switch_momentum="keep")

@@ -111,8 +111,8 @@ def _switch(rank: int) -> dict[str, Any]:
     fresh = state.fresh()
     agreed = fresh._agree()  # before bind, which would broadcast rank 0's
     fresh.bind(model)
-    from pufferfish.method import _carry_projected
-    _carry_projected(state.optimizer, fresh.optimizer, before, model)
+    from pufferfish.switch import carry_state  # outer_switch_momentum "project"
+    fresh.optimizer.state.update(carry_state(state.optimizer.state, before, model, "project"))
     projected = sum(1 for p in model.parameters() if p in fresh.optimizer.state)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     trace = _inner_steps(model, fresh, opt, rank, range(4, 6))

@@ -10,6 +10,7 @@ from helpers import TINY, metrics, needs_fashion, run_cli
 
 from pufferfish.config import ConfigError, TrainConfig
 from pufferfish.configfile import load_config
+from pufferfish.switch import SwitchSchedule
 from pufferfish.training.rundir import make_fresh
 
 
@@ -18,8 +19,8 @@ from pufferfish.training.rundir import make_fresh
     (10, "0%", 0), (4, "99%", 3), (10, "10%", 1)])
 def test_warmup_as_a_share_of_the_run(epochs: int, pct: str, switch: int) -> None:
     cfg = load_config(None, {"epochs": epochs, "warmup_epochs": pct})
-    assert cfg.switch_epoch == switch
-    assert TrainConfig().switch_epoch == 2  # the old default of a 10-epoch run
+    assert SwitchSchedule.from_config(cfg).switch_epoch == switch
+    assert SwitchSchedule.from_config(TrainConfig()).switch_epoch == 2  # the old default of a 10-epoch run
 
 
 @pytest.mark.parametrize("bad", ["100%", "-5%", "x%", "two"])

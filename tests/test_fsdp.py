@@ -122,6 +122,7 @@ def test_recipe_switches_a_users_fully_shard_model_like_data_parallel(tmp_path: 
     # the optimizer edited in place as without sharding: the same removals, additions, states
     for key in ("kept_with_state", "removed", "added", "lr"):
         assert sharded[key] == reference[key], key
+    assert reference["kept_with_state"] == 0  # reset: every state empty, as the CLI's optimizer
 
 
 def test_lightning_callback_switches_a_fully_shard_model_like_ddp(tmp_path: Path) -> None:

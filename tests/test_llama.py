@@ -307,8 +307,9 @@ def test_the_llama_preset_sets_the_warm_up_only_where_the_user_did_not() -> None
     llama = tiny_hf_llama(layers=2)
     assert warmup(llama) == 0 and warmup(llama, warmup_epochs=1) == 1
     assert warmup(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))) == 2
-    assert load_config(overrides={"model": "llama"}).switch_epoch == 0
-    assert load_config(overrides={"model": "llama", "warmup_epochs": "1"}).switch_epoch == 1
+    when = pf.switch.SwitchSchedule.from_config
+    assert when(load_config(overrides={"model": "llama"})).switch_epoch == 0
+    assert when(load_config(overrides={"model": "llama", "warmup_epochs": "1"})).switch_epoch == 1
     assert load_config(overrides={"model": "resnet18"}).warmup_epochs == "20%"
 
 

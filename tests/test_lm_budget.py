@@ -144,8 +144,8 @@ def test_switch_momentum_auto_resets_and_rewarms_adam_after_the_lr_warm_up(
     from pufferfish.method import PufferfishMethod
 
     cfg = TrainConfig(epochs=1, warmup_steps=0.5, **flags)  # the switch before step 50 of 100
-    assert (cfg.switch_state, cfg.switch_lr_rewarm(50, 100)) == (state, rewarm)
     method = PufferfishMethod(cfg)
+    assert (method.schedule.carry, method.schedule.rewarm(50, 100)) == (state, rewarm)
     method.switch.policy.switched_at = 0
     width = round(rewarm * 100) if rewarm < 1 else int(rewarm)
     assert method.lr_scale(50, 100) == (1 / width if rewarm else 1.0)

@@ -209,7 +209,7 @@ def test_config_file_and_unknown_key(tmp_path: Path) -> None:
     good = tmp_path / "good.toml"
     good.write_text('model = "vgg19_bn"\nwidth = 0.25\nepochs = 4\nwarmup_epochs = 1\n')
     cfg = load_config(good, {"lr": "0.01"})
-    assert (cfg.model, cfg.width, cfg.epochs, cfg.switch_epoch, cfg.lr) == ("vgg19_bn", 0.25, 4, 1, 0.01)
+    assert (cfg.model, cfg.width, cfg.epochs, cfg.warmup_epochs, cfg.lr) == ("vgg19_bn", 0.25, 4, "1", 0.01)
     bad = tmp_path / "bad.toml"
     bad.write_text("epocs = 3\n")
     result = run_cli("train", "--config", str(bad))

@@ -16,6 +16,7 @@ from pufferfish.cli import main
 from pufferfish.configfile import dump_toml, load_config
 from pufferfish.lowrank import svd_split
 from pufferfish.outputs import RECORD, owners
+from pufferfish.switch import SwitchSchedule
 from pufferfish.training.metrics import MetricsWriter
 from pufferfish.training.rundir import record_run
 
@@ -214,12 +215,16 @@ def test_a_run_without_a_checkpoint_is_refused_with_the_step_that_works(
 def test_a_share_warmup_of_one_epoch_switches_in_steps() -> None:
     from pufferfish.method import PufferfishMethod
 
-    one = load_config(None, {"epochs": 1})
-    assert one.warmup_share_in_steps == 0.2 and one.switch_step(50) == 10
-    assert PufferfishMethod(one).in_steps
-    assert load_config(None, {"epochs": 1, "warmup_epochs": "0%"}).switch_step(50) is None
-    assert load_config(None, {"epochs": 2}).switch_step(50) is None  # 1 epoch of 2
-    assert load_config(None, {"epochs": 1, "warmup_steps": 7}).switch_step(50) == 7
+    def when(**flags: object) -> SwitchSchedule:
+        return SwitchSchedule.from_config(load_config(None, flags))
+
+    one = when(epochs=1)
+    assert one.share_in_steps == 0.2 and one.switch_step(50) == 10
+    assert PufferfishMethod(load_config(None, {"epochs": 1})).schedule.in_steps
+    assert not when(epochs=1, warmup_epochs="0%").in_steps  # the switch before step 0
+    assert when(epochs=1, warmup_epochs="0%").switch_step(50) == 0
+    assert not when(epochs=2).in_steps and when(epochs=2).switch_step(50) == 50  # epoch 1 of 2
+    assert when(epochs=1, warmup_steps=7).switch_step(50) == 7
 
 
 def test_a_short_run_scales_its_milestones_and_warm_up_to_its_steps() -> None:
@@ -231,7 +236,7 @@ def test_a_short_run_scales_its_milestones_and_warm_up_to_its_steps() -> None:
     one = load_config(None, {"epochs": 1, "lr": 0.1, "warmup_epochs": "10%"})
     assert [lr_at(one, s, 8) for s in range(8)] == pytest.approx([0.1] * 4 + [0.01] * 2
                                                                   + [0.001] * 2)
-    assert one.switch_step(4) == 1 and one.switch_step(50) == 5
+    assert [SwitchSchedule.from_config(one).switch_step(n) for n in (4, 50)] == [1, 5]
     two = load_config(None, {"epochs": 2, "lr": 0.1})
     assert [lr_at(two, s, 4) for s in (0, 3, 4, 5, 6)] == pytest.approx(
         [0.1, 0.1, 0.01, 0.01, 0.001])  # epoch 1, then 75% of the steps: step 6

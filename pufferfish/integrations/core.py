@@ -25,6 +25,7 @@ Resuming from a checkpoint written after the switch needs two things a trainer d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -40,11 +41,10 @@ from ..distributed.env import ddp_options, rebuild_ddp_in_place
 from ..lowrank import LowRankModule, load_factorized
 from ..lowrank.factorize import factorizable_modules
 from ..lowrank.presets import resolve_preset
-from ..recipe import ParameterSwap, Recipe, swap_parameters
+from ..recipe import ParameterSwap, Recipe
+from ..switch.schedule import OBSERVATIONS_PER_EPOCH
 
 __all__ = ["TrainerSwitch", "optimizer_order", "rebuild_on_load", "restore_order"]
-
-OBSERVATIONS_PER_EPOCH = 4  # automatic switch: stable ranks measured 4 times an epoch (as the CLI)
 
 
 class TrainerSwitch:
@@ -74,6 +74,8 @@ class TrainerSwitch:
         self.warmup_steps = warmup_steps
         epochs = 0 if warmup_steps is not None else (2 if warmup_epochs is None else warmup_epochs)
         self.recipe = Recipe(warmup_epochs=epochs, **recipe_options)
+        if warmup_steps is not None:  # the schedule's switch in steps
+            self._reschedule(warmup_steps=warmup_steps)
         self._model_decides = warmup_epochs is None and warmup_steps is None
         self.verbose = verbose
         self.switched_at_step: int | None = None
@@ -83,6 +85,10 @@ class TrainerSwitch:
     @property
     def switched(self) -> bool:
         return self.recipe.switched
+
+    def _reschedule(self, **changes: Any) -> None:
+        policy = self.recipe.switch_owner.policy
+        policy.schedule = dataclasses.replace(policy.schedule, **changes)
 
     # --- when ---------------------------------------------------------------------------------
 
@@ -94,19 +100,19 @@ class TrainerSwitch:
         if self.switched:
             return
         if self._model_decides:  # no warm-up given: the model's preset may carry its own
-            policy = self.recipe.switch_owner.policy
             preset = resolve_preset(module, self.recipe.switch_owner.plan.preset)
-            policy.warmup_epochs = preset.get("warmup_epochs", policy.warmup_epochs)
+            if "warmup_epochs" in preset:
+                self._reschedule(warmup=preset["warmup_epochs"])
         if self.recipe.detector is None or not resumed:
             self.recipe.observe(0, module)  # a check only, for fixed choices
 
     def due_at_epoch(self, epoch: int, module: nn.Module) -> bool:
         """Whether to switch at the start of ``epoch`` (epoch-based warm-up only)."""
-        return self.warmup_steps is None and self.recipe.should_switch(epoch, module)
+        return self.recipe.should_switch(epoch, module)
 
     def due_at_step(self, step: int) -> bool:
         """Whether to switch before optimizer step ``step`` (step-based warm-up only)."""
-        return self.warmup_steps is not None and not self.switched and step >= self.warmup_steps
+        return not self.switched and self.recipe.schedule.due_at_step(step)
 
     def observe(self, epoch: float, module: nn.Module) -> None:
         """Feed the automatic switch a few times per epoch (a no-op for fixed warm-ups)."""
@@ -132,11 +138,10 @@ class TrainerSwitch:
                                    f"found {len(optimizers)}")
             self.recipe.switch(epoch, module, innermost(optimizers[0]))
             self.parameter_swaps = [self.recipe.parameter_swap]
-        else:
+        else:  # each optimizer edited as the recipe edits one (its state: carry_state's)
             before = dict(module.named_parameters(remove_duplicate=False))
             self.recipe.switch(epoch, module, None)
-            after = dict(module.named_parameters(remove_duplicate=False))
-            self.parameter_swaps = [swap_parameters(innermost(opt), before, after)
+            self.parameter_swaps = [self.recipe.carry_into(innermost(opt), module, before)
                                     for opt in optimizers]
         self.recipe.parameter_swap = self.parameter_swaps[0] if self.parameter_swaps else None
         if ddp is not None:

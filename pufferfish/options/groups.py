@@ -24,11 +24,8 @@ __all__ = ["GROUPS", "HOOK_OPTIONS", "BaselineOptions", "BatchOptions", "DataOpt
 SCHEDULES = ("multistep", "cosine", "constant")
 NONFINITE = ("stop", "skip")
 SWITCH_MOMENTUM = ("reset", "project")  # DiLoCo's outer momentum at the switch
-# The inner optimizer's state at the switch. auto: SGD's momentum reset (the paper; the image
-# models' recipe unchanged); Adam's moments reset, and after the LR warm-up the LR re-warmed over
-# config.AUTO_SWITCH_LR_WARMUP of the run (ReLoRA's pairing): fresh moments come from the factors' own
-# gradients, not the dense weights' stale second moment, and take small steps until they have
-# averaged a few (docs/benchmarks.md, "Where the switch's cost comes from").
+# The inner optimizer's state at the switch; what each value means, and when the switch happens:
+# pufferfish/switch/schedule.py (the one home of both).
 SWITCH_STATE = ("auto", "reset", "project")
 OPTIMIZERS = ("auto", "sgd", "adamw")
 GALORE_PROJ_TYPES = ("std", "reverse_std", "right", "left", "full")

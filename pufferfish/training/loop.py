@@ -131,21 +131,6 @@ def train(cfg: TrainConfig, method: Method | None = None) -> list[dict[str, Any]
         dist_env.cleanup(drain=finished)
 
 
-def _say_warmup(cfg: TrainConfig, env: DistEnv, steps: int) -> None:
-    """What ``--warmup-epochs P%`` comes to in this run (``steps`` per epoch), at its start."""
-    if cfg.mode != "pufferfish" or not cfg.warmup_epochs.endswith("%"):
-        return
-    if cfg.warmup_share_in_steps:
-        at = cfg.switch_step(steps)
-        dist_env.say(env, f"warm-up: {cfg.warmup_epochs} of 1 epoch is no whole epoch: full rank "
-                          f"for the first {at} of its {steps} optimizer steps, then the switch "
-                          "(mid-epoch)")
-        return
-    n, epochs = cfg.switch_epoch, cfg.epochs
-    dist_env.say(env, f"warm-up: {cfg.warmup_epochs} of {epochs} epoch{'s' * (epochs != 1)} = "
-                      f"{n} full-rank epoch{'s' * (n != 1)} before the switch")
-
-
 def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any]]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -205,8 +190,9 @@ def _run(cfg: TrainConfig, env: DistEnv, method: Method, run_dir: Path,
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     task = build_task(cfg, env)
     steps = steps_per_epoch(cfg, task)  # optimizer steps; refuses a --grad-accum beyond the data
-    if resumed is None:  # a resumed run has its switch point already (and may be past it)
-        _say_warmup(cfg, env, steps)
+    text = method.start_text(steps) if resumed is None else None  # a resumed run is past it
+    if text:
+        dist_env.say(env, text)
     model = task.model.to(env.device)
     method.setup(model, task.example_input(env.device), cfg)
     startup.check_agree(env, "the data or the checkpoint to resume", {

@@ -56,6 +56,10 @@ class Method:
         """The step the LR schedule is at (a method that restarts training restarts it)."""
         return global_step
 
+    def start_text(self, steps_per_epoch: int) -> str | None:
+        """A line said at the start of a fresh run (what the method will do when), or None."""
+        return None
+
     def lr_scale(self, global_step: int, steps_per_epoch: int) -> float:
         """A factor on the schedule's LR at ``global_step`` (a method's own re-warm-up)."""
         return 1.0

@@ -1,9 +1,12 @@
 """The switch from full rank to low rank, and its one owner.
 
-Two questions, two classes, one :class:`Switch` that composes them and holds their state:
+Every rule of *when* (in optimizer steps) and of what the optimizer carries across the switch is
+in :mod:`pufferfish.switch.schedule` (:class:`SwitchSchedule`, :func:`carry_state`); its module
+docstring is the short answer. Two classes, one :class:`Switch` that composes them and holds
+their state:
 
-- :class:`SwitchPolicy`, *when*: at a fixed epoch, or (``"auto"``) when every layer's stable rank
-  has settled (:class:`~pufferfish.auto.SwitchDetector`, fed by a
+- :class:`SwitchPolicy`, *when*: the schedule's fixed point, or (``"auto"``) when every layer's
+  stable rank has settled (:class:`~pufferfish.auto.SwitchDetector`, fed by a
   :class:`~pufferfish.auto.StableRankTracker`);
 - :class:`FactorizationPlan`, *how*: the ranks (a ratio, or chosen from the stable ranks), the
   layers kept full-rank (patterns, preset, first K, or profiled), extra BatchNorm, the LSTM kernel,
@@ -12,23 +15,22 @@ Two questions, two classes, one :class:`Switch` that composes them and holds the
 
 The switch changes the model only. What depends on its parameters belongs to whoever built it:
 :class:`~pufferfish.Recipe` edits a hand-written loop's optimizer and re-wraps its DDP,
-:class:`~pufferfish.method.PufferfishMethod` lets the training loop rebuild its own. Every
+:class:`~pufferfish.method.PufferfishMethod` lets the training loop rebuild its own; both give
+the optimizer the state :func:`carry_state` says. Every
 data-dependent decision is rank 0's, broadcast, so replicas cannot diverge.
 """
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .auto import (
+from ..auto import (
     StableRankTracker,
     SwitchDetector,
     budget_params,
@@ -36,40 +38,50 @@ from .auto import (
     profile_keep,
     time_kernels,
 )
-from .distributed import fsdp
-from .distributed.env import broadcast_object
-from .lowrank import FactorizationReport, LowRankModule, factorize
-from .lowrank.base import low_rank_class_for_type
-from .lowrank.factorize import factorizable_modules
-from .lowrank.presets import resolve_preset
-from .lowrank.report import format_table
+from ..distributed import fsdp
+from ..distributed.env import broadcast_object
+from ..lowrank import FactorizationReport, LowRankModule, factorize
+from ..lowrank.base import low_rank_class_for_type
+from ..lowrank.factorize import factorizable_modules
+from ..lowrank.presets import resolve_preset
+from ..lowrank.report import format_table
+from .schedule import (
+    SwitchSchedule,
+    carry_state,
+    install_state,
+    projected_momentum,
+    projected_state,
+)
 
-__all__ = ["FactorizationPlan", "Switch", "SwitchPolicy", "projected_momentum", "projected_state"]
+__all__ = ["FactorizationPlan", "Switch", "SwitchPolicy", "SwitchSchedule", "carry_state",
+           "install_state", "projected_momentum", "projected_state"]
 
 
 class SwitchPolicy:
-    """When to switch: before epoch ``warmup_epochs``, or ``"auto"`` when the ranks settle.
-
-    An automatic switch happens between epochs ``earliest`` and ``latest`` (the detector's bounds;
-    ``min_warmup``/``max_warmup`` of :class:`~pufferfish.Recipe`, ``min/max_warmup_epochs`` of the
-    configuration).
+    """When to switch: the :class:`SwitchSchedule`'s rule, and for ``"auto"`` the detector that
+    says when the ranks settle (between the schedule's ``min_warmup`` and its cap).
 
     The stable-rank record (tracker) and the detector exist only for automatic choices (an
     automatic switch, or automatic ranks, which are chosen from the same record).
     """
 
-    def __init__(self, warmup_epochs: int | str = 2, track: bool = False, earliest: float = 1,
-                 latest: float | None = None, threshold: float = 0.05,
+    def __init__(self, schedule: SwitchSchedule, track: bool = False, threshold: float = 0.05,
                  window: float = 1.0) -> None:
-        self.warmup_epochs = warmup_epochs
+        self.schedule = schedule
         self.switched_at: int | None = None
         self.tracker: Any = None
         self.detector: Any = None
         self.latest: tuple[float, dict[str, float]] | None = None  # the last observation
         self._decided: dict[int, bool] = {}  # epoch -> the agreed answer of should_switch
-        if warmup_epochs == "auto" or track:
+        if schedule.auto or track:
             self.detector = SwitchDetector(window=window, threshold=threshold,
-                                           min_epochs=earliest, max_epochs=latest)
+                                           min_epochs=schedule.min_warmup,
+                                           max_epochs=schedule.latest_auto_epoch)
+
+    @property
+    def warmup_epochs(self) -> int | str:
+        """The epoch the switch is before, or ``"auto"`` (the schedule's)."""
+        return self.schedule.switch_epoch
 
     @property
     def switched(self) -> bool:
@@ -91,10 +103,10 @@ class SwitchPolicy:
 
     def due(self, epoch: int, model: nn.Module, keep: list[str]) -> bool:
         """Whether to switch at the start of ``epoch``; the same answer on every rank."""
-        if self.switched:
+        if self.switched or self.schedule.in_steps:
             return False
-        if self.warmup_epochs != "auto":
-            return epoch >= self.warmup_epochs
+        if not self.schedule.auto:
+            return self.schedule.due_at_epoch(epoch)
         if epoch not in self._decided:  # one agreement per epoch
             self.observe(epoch, model, keep)
             self._decided[epoch] = bool(broadcast_object(self.detector.switched_at is not None))
@@ -103,7 +115,7 @@ class SwitchPolicy:
     def decisions(self, epoch: int) -> dict[str, Any]:
         """What decided a switch at ``epoch`` (for the plan's record)."""
         decisions: dict[str, Any] = {}
-        if self.warmup_epochs == "auto":
+        if self.schedule.auto:
             d = self.detector
             decisions["switch"] = {
                 "epoch": epoch, "fired_at": d.switched_at, "reason": d.reason,
@@ -123,7 +135,7 @@ class SwitchPolicy:
         return [n for n in d.values if not d.smoothed_change(n) < d.threshold]
 
     def describe(self) -> list[str]:
-        if self.warmup_epochs != "auto" or not self.switched:
+        if not self.schedule.auto or not self.switched:
             return []
         d = self.detector
         why = (f"reached the cap max_warmup={d.max_epochs:g} before every stable rank settled"
@@ -132,10 +144,12 @@ class SwitchPolicy:
                f"epoch(s) at epoch {d.switched_at:.2f}")
         return [f"switch epoch (auto): {self.switched_at} ({why})"]
 
-    def cap(self, latest: float) -> None:
-        """Set the latest automatic switch epoch once the run knows it (it may depend on the
-        steps per epoch); kept in :meth:`state_dict`, so a resumed run keeps the same cap."""
-        if self.detector is not None:
+    def cap(self, steps_per_epoch: int) -> None:
+        """Set the latest automatic switch epoch once the run knows its steps per epoch (the
+        schedule's :meth:`~SwitchSchedule.auto_cap`); kept in :meth:`state_dict`, so a resumed
+        run keeps the same cap."""
+        latest = self.schedule.auto_cap(steps_per_epoch)
+        if self.detector is not None and latest is not None:
             if latest < self.detector.min_epochs:
                 raise ValueError(f"latest switch epoch {latest} is below the earliest "
                                  f"{self.detector.min_epochs}")
@@ -404,72 +418,6 @@ class Switch:
         self.plan.load_state_dict(state)
         inner = _unwrap(model)
         self.policy.load_state_dict(state, inner, self.plan.static_keep(inner))
-
-
-# How each optimizer-state entry of a dense weight carries onto the factors that replace it
-# (switch_momentum "project"): an entry linear in the gradient (SGD's momentum, Adam's first
-# moment) by the chain rule; Adam's second moment, an average of squared gradients, through the
-# squared factors; a step count is copied, so Adam's bias correction matches the carried moments.
-LINEAR_STATE = ("momentum_buffer", "exp_avg")
-SQUARED_STATE = ("exp_avg_sq",)
-
-
-def projected_state(state: Mapping[torch.Tensor, Mapping[str, Any]],
-                    before: Mapping[str, torch.Tensor], model: nn.Module
-                    ) -> dict[torch.Tensor, dict[str, Any]]:
-    """The optimizer state of each new low-rank parameter of ``model``, from ``state`` (an
-    optimizer's) of the dense parameters it replaced (``before``: the named parameters before
-    the switch), by :meth:`LowRankModule.project_dense_state`.
-
-    For ``W = L R`` with gradient ``G``: ``L`` gets ``G Rᵀ``, ``R`` gets ``Lᵀ G`` (momentum,
-    ``exp_avg``); ``exp_avg_sq`` ``V`` of ``W`` becomes ``V (R∘R)ᵀ`` and ``(L∘L)ᵀ V``, the
-    expected squared factor gradient if the entries of ``G`` are uncorrelated; ``step`` is the
-    dense weight's. A parameter gets state only if every entry the dense state had could be
-    carried (else it starts empty, as after a reset).
-    """
-    alive = {id(p) for p in model.parameters()}
-    projected: dict[torch.Tensor, dict[str, Any]] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, LowRankModule):
-            continue
-        prefix = f"{name}." if name else ""
-        dense = {n[len(prefix):]: state[t] for n, t in before.items()
-                 if n.startswith(prefix) and id(t) not in alive and t in state}
-        if not dense:
-            continue
-        keys = {k for st in dense.values() for k in st}
-        carried: dict[str, dict[str, Any]] = {}
-        for key in keys & {*LINEAR_STATE, *SQUARED_STATE}:
-            tensors = {n: st[key] for n, st in dense.items()
-                       if isinstance(st.get(key), torch.Tensor)}
-            source = _squared(module) if key in SQUARED_STATE else module
-            for n, value in source.project_dense_state(tensors).items():
-                carried.setdefault(n, {})[key] = value
-        steps = [st["step"] for st in dense.values() if "step" in st]
-        for n, entry in carried.items():
-            if steps:
-                entry["step"] = steps[0].clone() if isinstance(steps[0], torch.Tensor) else steps[0]
-            if set(entry) >= keys:
-                projected[module.get_parameter(n)] = entry
-    return projected
-
-
-def projected_momentum(state: Mapping[torch.Tensor, Mapping[str, Any]],
-                       before: Mapping[str, torch.Tensor], model: nn.Module
-                       ) -> dict[torch.Tensor, torch.Tensor]:
-    """The SGD momentum buffer of each new low-rank parameter (see :func:`projected_state`)."""
-    return {p: st["momentum_buffer"] for p, st in projected_state(state, before, model).items()
-            if "momentum_buffer" in st}
-
-
-def _squared(module: LowRankModule) -> LowRankModule:
-    """A copy of ``module`` whose parameters are squared elementwise (the factor pairs are
-    reshapes of parameters, so its pairs are the squared factors)."""
-    ghost = copy.deepcopy(module)
-    with torch.no_grad():
-        for p in ghost.parameters():
-            p.mul_(p)
-    return ghost
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
