@@ -34,8 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import SWITCH_STATE, TrainConfig
+from ..config import TrainConfig
 from ..lowrank import LowRankModule
+from ..options.groups import SWITCH_STATE
 
 __all__ = ["OBSERVATIONS_PER_EPOCH", "SwitchSchedule", "carry_state", "install_state",
            "projected_momentum", "projected_state"]
