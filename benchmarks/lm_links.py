@@ -3,14 +3,17 @@
 Six methods of ``benchmarks/lm_budget.py``'s recipe (llama width 0.125, 16,384 tokens a step,
 AdamW, seed 0), full-rank ones at full rank's LR chosen on validation and Pufferfish ones as the
 setting chosen there (``best_pufferfish``) at its LR: DDP and Pufferfish are the study's own
-runs; PowerSGD (rank 4) and DiLoCo (H = 30, AdamW inner steps) each get the study's LR rule (its
-grid, grown past an edge, chosen on validation), Pufferfish + PowerSGD and Pufferfish + DiLoCo
-run at their baseline's chosen LR; all four are trained here into ``OUT/links/``.
+runs; PowerSGD and DiLoCo (AdamW inner steps) each get the study's LR rule (its grid at rank 4 /
+H = 30, grown past an edge, chosen on validation), then as many settings of their own as
+Pufferfish had (``SETTINGS``: PowerSGD's rank and start step, DiLoCo's H and outer LR) at that LR,
+chosen on validation; Pufferfish + PowerSGD and Pufferfish + DiLoCo run at their baseline's LR and
+setting; all are trained here into ``OUT/links/``, and the bench times each at its chosen rank and
+H (a PowerSGD run's first steps, before its start step, at DDP's step time).
 ``pufferfish bench`` measures the same model's step time of each method over loopback and
 emulated links (the same optimizer, AdamW, for every method); the time to the target is the steps a run needed to reach it times those step times
 (before a Pufferfish switch at its full-rank counterpart's).
 
-    python benchmarks/lm_links.py run OUT [--dry-run]          # the LR trials and the runs
+    python benchmarks/lm_links.py run OUT [--dry-run]          # the trials and the runs
     sudo python benchmarks/lm_links.py bench OUT [--bandwidth loopback,100mbit,10mbit]
     python benchmarks/lm_links.py table OUT [--md FILE]
 
@@ -21,10 +24,12 @@ column), so a crossing cannot be read on it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import subprocess
 import sys
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,8 +38,17 @@ import sweep
 
 from pufferfish.bench import time_to_target as ttt
 
-H = 30  # DiLoCo's inner steps; its checkpoints fall on outer steps (the study's every 100 cannot)
-DILOCO = ["--sync", "diloco", "--inner-steps", str(H), "--checkpoint-every-steps", str(10 * H)]
+H = 30  # DiLoCo's inner steps by default (its checkpoints fall on outer steps)
+
+
+def diloco(inner: int, outer_lr: float | None = None) -> list[str]:
+    """DiLoCo's train flags: ``inner`` steps between outer steps, checkpoints on outer steps."""
+    return ["--sync", "diloco", "--inner-steps", str(inner), "--checkpoint-every-steps",
+            str(inner * max(1, 300 // inner)),
+            *([] if outer_lr is None else ["--outer-lr", f"{outer_lr:g}"])]
+
+
+DILOCO = diloco(H)
 # bench method -> (factorized: the chosen Pufferfish setting, else full rank; extra train flags)
 LINK_METHODS: dict[str, tuple[bool, list[str]]] = {
     "ddp": (False, []),
@@ -48,7 +62,7 @@ FULL_PHASE = {"pufferfish": "ddp", "pufferfish+powersgd": "powersgd",
               "pufferfish+diloco": "diloco"}  # what a Pufferfish run is before its switch
 TARGET_MARGIN = 0.05
 BENCH = ["--model", "llama", "--width", "0.125", "--vocab-size", "1024", "--seq-len", "128",
-         "--batch-size", "64", "--threads", "1", "--bucket-mb", "torch", "--inner-steps", str(H),
+         "--batch-size", "64", "--threads", "1", "--bucket-mb", "torch",
          "--steps", "10", "--warmup", "3", "--compute-steps", "5", "--rounds", "2"]
 
 
@@ -56,45 +70,111 @@ BENCH = ["--model", "llama", "--width", "0.125", "--vocab-size", "1024", "--seq-
 # past an edge while the best sits there); a composition with Pufferfish takes its baseline's LR,
 # as Pufferfish's settings take theirs.
 TUNED = ("powersgd", "diloco")
+STEPS = 681  # the study's optimizer steps at 20 tokens per parameter (width 0.125)
+PSGD_START = round(0.1 * STEPS)  # torch's advice: plain all-reduce for ~10% of the updates
+# Then each tuned baseline's own knobs, tried once each at its chosen LR and chosen on validation
+# with its default ("default": the LR trial's run), as many settings beside the default as
+# Pufferfish's had (11, lm_budget.VARIANTS): PowerSGD's rank and start step, DiLoCo's H and outer
+# LR. A composition with Pufferfish runs at its baseline's chosen setting.
+SETTINGS: dict[str, dict[str, list[str]]] = {
+    "powersgd": {f"r{r}-st{st}": ["--powersgd-rank", str(r), "--powersgd-start-iter", str(st)]
+                 for st in (10, PSGD_START) for r in (1, 2, 4, 8, 16, 32) if (r, st) != (4, 10)},
+    "diloco": {f"h{h}-olr{o:g}": diloco(h, o) for h in (5, 10, 30, 100) for o in (0.3, 0.7, 1.0)
+               if (h, o) != (H, 0.7)},
+}
 
 
-def _links_dir(out: Path, method: str, lr: float) -> Path:
-    return out / "links" / f"{method}-lr{lr:g}-s0"
+def _links_dir(out: Path, method: str, lr: float, setting: str = "default") -> Path:
+    name = method if setting == "default" else f"{method}-{setting}"
+    return out / "links" / f"{name}-lr{lr:g}-s0"
 
 
 def _val_of(out: Path, method: str) -> Callable[[float], float | None]:
     return lambda lr: study.best_val(_links_dir(out, method, lr))
 
 
+def chosen_setting(out: Path, baseline: str, lr: float | None) -> str | None:
+    """The baseline's setting with the lowest final validation perplexity at its chosen ``lr``
+    (its default or one of :data:`SETTINGS`); None until every one has finished."""
+    if lr is None:
+        return None
+    vals = {s: study.best_val(_links_dir(out, baseline, lr, s))
+            for s in ("default", *SETTINGS[baseline])}
+    if any(v is None for v in vals.values()):
+        return None
+    return min(vals, key=lambda s: vals[s])  # type: ignore[arg-type,return-value]
+
+
+def settings_tried(out: Path) -> dict[str, int]:
+    """Per tuned baseline, how many of its :data:`SETTINGS` have run at its chosen LR."""
+    lrs = {m: study.pick(study.METHODS["full"][1], _val_of(out, m)) for m in TUNED}
+    return {m: 0 if lr is None else sum(study.finished(_links_dir(out, m, lr, s)) is not None
+                                        for s in SETTINGS[m]) for m, lr in lrs.items()}
+
+
+def _setting_flags(baseline: str, setting: str | None) -> list[str]:
+    return [] if setting in (None, "default") else SETTINGS[baseline][setting]
+
+
 def runs(out: Path) -> dict[str, tuple[Path | None, list[str], float | None]]:
     """Method -> (run directory, train flags, LR), directory and LR None while a tuned
-    baseline's grid is unfinished; empty until the study has chosen its LRs."""
+    baseline's LR grid is unfinished (its default setting until all its settings have run);
+    empty until the study has chosen its LRs."""
     full_lr, puff = study.chosen_lr(out, "full"), study.best_pufferfish(out)
     puff_lr = None if puff is None else study.chosen_lr(out, puff)
     if full_lr is None or puff is None or puff_lr is None:
         return {}
     tuned = {m: study.pick(study.METHODS["full"][1], _val_of(out, m)) for m in TUNED}
+    # until a baseline's settings have all run, its default stands (settings_tried says so)
+    setting = {m: chosen_setting(out, m, tuned[m]) or "default" for m in TUNED}
     found: dict[str, tuple[Path | None, list[str], float | None]] = {}
     for method, (factorized, extra) in LINK_METHODS.items():
-        base = puff if factorized else "full"
-        lr = tuned.get(FULL_PHASE.get(method, method), puff_lr if factorized else full_lr)
+        base, baseline = puff if factorized else "full", FULL_PHASE.get(method, method)
+        lr = tuned.get(baseline, puff_lr if factorized else full_lr)
+        knobs = _setting_flags(baseline, setting.get(baseline))
         path = (None if lr is None else study.run_dir(out, study.LR_BUDGET, base, lr, 0)
-                if not extra else _links_dir(out, method, lr))
-        found[method] = (path, [*study.flags(base), *extra], lr)
+                if not extra else _links_dir(out, method, lr, setting.get(baseline, "default")))
+        found[method] = (path, [*study.flags(base), *extra, *knobs], lr)
     return found
+
+
+def run_knobs(path: Path) -> dict[str, int]:
+    """The step-time knobs a run trained with, as the bench names them (PowerSGD's rank,
+    DiLoCo's H), from its config.toml (the keys it lacks ran the defaults: 4 and 30)."""
+    config = tomllib.loads((path / "config.toml").read_text())
+    return {"powersgd_rank": int(config.get("powersgd_rank", 4)),
+            "inner_steps": int(config.get("inner_steps", H))}
+
+
+def bench_flags(out: Path) -> list[str] | None:
+    """The bench's flags for the chosen PowerSGD rank and DiLoCo H (None: not chosen yet)."""
+    found = runs(out)
+    paths = {m: found[m][0] for m in TUNED} if found else {}
+    if not paths or any(p is None or study.finished(p) is None for p in paths.values()):
+        return None
+    rank = run_knobs(paths["powersgd"])["powersgd_rank"]  # type: ignore[arg-type]
+    inner = run_knobs(paths["diloco"])["inner_steps"]  # type: ignore[arg-type]
+    return ["--powersgd-rank", str(rank), "--inner-steps", str(inner)]
 
 
 def todo(out: Path) -> list[tuple[Path, list[str], float]]:
     """The runs still to train, in order: the tuned baselines' LR trials (one LR of each
-    before a second), then every method at its chosen LR."""
+    before a second), then their settings at their chosen LRs (likewise interleaved), then
+    every method at its chosen LR and setting."""
     found = runs(out)
     base = study.METHODS["full"][1]
     grids = {m: study.trial_order(base, _val_of(out, m)) for m in TUNED}
-    trials = [(_links_dir(out, m, lr), found[m][1], lr) for m, lr in study.interleaved(grids)]
+    trials = [(_links_dir(out, m, lr), [*study.flags("full"), *LINK_METHODS[m][1]], lr)
+              for m, lr in study.interleaved(grids)]
+    tuned = {m: study.pick(base, _val_of(out, m)) for m in TUNED}
+    knobs = [[(_links_dir(out, m, lr, s), [*study.flags("full"), *LINK_METHODS[m][1], *flags],
+               lr) for s, flags in SETTINGS[m].items()]
+             for m, lr in tuned.items() if lr is not None]
+    settings = [t for row in itertools.zip_longest(*knobs) for t in row if t is not None]
     chosen = [(path, flags, lr) for path, flags, lr in found.values()
               if path is not None and lr is not None]
     pending: dict[Path, tuple[Path, list[str], float]] = {}
-    for path, flags, lr in [*trials, *chosen]:  # a chosen LR's run is one of its trials
+    for path, flags, lr in [*trials, *settings, *chosen]:  # a chosen run is one of its trials
         if study.finished(path) is None:
             pending.setdefault(path, (path, flags, lr))
     return list(pending.values())
@@ -129,18 +209,38 @@ def step_times(bench: Path) -> dict[tuple[str, str], dict]:
     return {(r["method"], r["bandwidth"]): r for r in data["rows"]}
 
 
-def seconds_to(row: dict, before: tuple[float, float, float] | None,
-               link: str) -> ttt.StepTime | None:
-    """A ``results`` row's seconds to the target over ``link`` at the bench's median step times,
-    in its best round and in its worst; ``before``: the step times (median, low, high) of its
-    full-rank counterpart, at which a Pufferfish run steps until its switch. None: not reached or
-    not timed."""
-    own = row["step_s"][link]
-    if row["steps_to_target"] is None or own is None or before is None:
+def start_step(path: Path) -> int:
+    """The steps a PowerSGD run all-reduced plainly before compressing (0 for other runs)."""
+    config = tomllib.loads((path / "config.toml").read_text())
+    return int(config.get("powersgd_start_iter", 10)) if config.get("comm") == "powersgd" else 0
+
+
+def phases(row: dict, times: dict[str, tuple[float, float, float] | None]
+           ) -> list[tuple[float, ttt.StepTime]] | None:
+    """A ``results`` row's steps in phases of one step time each, from ``times`` (method ->
+    (median, low, high) over one link): PowerSGD's first ``start`` steps are a plain all-reduce
+    (DDP's time); a Pufferfish run steps at its full-rank counterpart's time until its switch,
+    and a composition with PowerSGD, whose hook starts again on the factorized model, all-reduces
+    plainly (Pufferfish's time) for ``start`` steps more. None: a needed time is missing."""
+    method, start, switch = row["method"], row["start_step"], row["switch_step"]
+    parts = [(min(start, switch) if method in FULL_PHASE else start, "ddp")]
+    if method in FULL_PHASE:
+        parts += [(switch - parts[0][0], FULL_PHASE[method]), (start, "pufferfish")]
+    parts = [(n, m) for n, m in parts if n > 0] + [(math.inf, method)]
+    if any(times.get(m) is None for _, m in parts):
         return None
-    switch = switch_step(Path(row["run"])) if row["method"] in FULL_PHASE else 0
-    return ttt.time_range(row["steps_to_target"], [(switch, ttt.StepTime(*before)),
-                                                   (math.inf, ttt.StepTime(*own))])
+    return [(n, ttt.StepTime(*times[m])) for n, m in parts]  # type: ignore[misc]
+
+
+def seconds_to(row: dict, times: dict[str, tuple[float, float, float] | None]
+               ) -> ttt.StepTime | None:
+    """A ``results`` row's seconds to the target at the bench's median step times, in its best
+    round and in its worst (:func:`phases`; ``times``: every method's step time over one link).
+    None: not reached or not timed."""
+    steps = phases(row, times)
+    if row["steps_to_target"] is None or steps is None:
+        return None
+    return ttt.time_range(row["steps_to_target"], steps)
 
 
 def _spread(bench_row: dict | None) -> tuple[float, float, float] | None:
@@ -157,6 +257,7 @@ def results(out: Path) -> dict | str:
     if not found or not (bench / "results.json").is_file():
         return "lm_links: the study's LRs, the four runs and the bench are all needed first"
     times = step_times(bench)
+    bench_config = json.loads((bench / "results.json").read_text()).get("config", {})
     links = list(dict.fromkeys(link for _, link in times))
     ddp_last = study.finished(found["ddp"][0])  # type: ignore[arg-type]
     if ddp_last is None:
@@ -173,17 +274,30 @@ def results(out: Path) -> dict | str:
         if bench_params not in (None, last["params"]):
             return (f"lm_links: the bench's {method} has {bench_params} parameters, its run "
                     f"{path} {last['params']}: not the same model")
+        knobs = run_knobs(path)
+        key = {"powersgd": "powersgd_rank", "diloco": "inner_steps"}.get(
+            FULL_PHASE.get(method, method))
+        if key and bench_config.get(key, knobs[key]) != knobs[key]:
+            return (f"lm_links: the bench measured {key} {bench_config[key]}, the chosen run "
+                    f"{path} trained with {knobs[key]}: run `lm_links.py bench` again")
         row = {"method": method, "lr": lr, "run": str(path), "params": last["params"],
                "val_ppl": last["val_ppl"], "test_ppl": last["test_ppl"],
                "mb_per_step": last["comm_bytes_per_step"] / 1e6,
                "steps_to_target": steps_to(_curve(path), target),
+               "switch_step": switch_step(path), "start_step": start_step(path),
                "step_s": {link: _spread(r) for link, r in mine.items()}}
-        before = {link: _spread(times.get((FULL_PHASE.get(method, method), link)))
-                  for link in links}
-        row["seconds_to_target"] = {link: None if (t := seconds_to(row, before[link], link))
-                                    is None else t.median for link in links}
         rows.append(row)
+    for row in rows:
+        if row["run"] is not None:
+            row["seconds_to_target"] = {
+                link: None if (t := seconds_to(row, link_times(rows, link))) is None
+                else t.median for link in links}
     return {"target": target, "ddp_val_ppl": ddp_last["val_ppl"], "links": links, "rows": rows}
+
+
+def link_times(rows: list[dict], link: str) -> dict[str, tuple[float, float, float] | None]:
+    """Every timed row's step time over ``link``: method -> (median, low, high)."""
+    return {r["method"]: r["step_s"][link] for r in rows if r.get("step_s")}
 
 
 def first(found: dict, link: str) -> str | None:
@@ -247,7 +361,11 @@ def main() -> int:
                 return 1
         return 0
     if args.cmd == "bench":
-        cmd = [sys.executable, "-m", "pufferfish", "bench", *BENCH, "--methods",
+        if (knobs := bench_flags(args.out)) is None:
+            print("lm_links: PowerSGD's and DiLoCo's settings are not chosen yet (lm_links.py "
+                  "run OUT first)", file=sys.stderr)
+            return 2
+        cmd = [sys.executable, "-m", "pufferfish", "bench", *BENCH, *knobs, "--methods",
                ",".join(LINK_METHODS), "--bandwidth", args.bandwidth,
                "--out", str(args.out / "links" / "bench")]
         print(" ".join(cmd), flush=True)

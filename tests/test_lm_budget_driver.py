@@ -107,8 +107,10 @@ def test_decision_rule(tmp_path: Path, puff_seeds: int, puff_ppl: float,
     assert by_budget[1.0]["matters"] is None  # no seeds there
 
 
-def _curve_run(path: Path, curve: list[tuple[int, float]], params: int, switch: int = 0) -> None:
-    """A finished run whose validation curve is ``curve`` (the last point its end)."""
+def _curve_run(path: Path, curve: list[tuple[int, float]], params: int, switch: int = 0,
+               config: str = "") -> None:
+    """A finished run whose validation curve is ``curve`` (the last point its end), trained
+    with ``config`` (its config.toml)."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "evals.jsonl").write_text("".join(
         json.dumps({"step": s, "val_ppl": p}) + "\n" for s, p in curve[:-1]))
@@ -116,13 +118,14 @@ def _curve_run(path: Path, curve: list[tuple[int, float]], params: int, switch: 
     (path / "metrics.jsonl").write_text(json.dumps(
         {"val_ppl": val, "test_ppl": val, "params": params, "steps": steps, "epoch_time": 1.0,
          "comm_bytes_per_step": 4.0 * params}) + "\n")
+    (path / "config.toml").write_text(config)
     if switch:
         (path / "factorization.json").write_text(json.dumps({"step": switch}))
 
 
-def test_links_time_to_target_is_steps_to_it_times_each_phases_step(tmp_path: Path) -> None:
-    """DDP ends at 20.0 (target 21.0); Pufferfish + DiLoCo crosses it halfway between steps 100
-    and 200 in log perplexity; its 30 steps before the switch take DiLoCo's step time."""
+def _links_study(tmp_path: Path) -> dict:
+    """The links study's queue, from the LR trials through PowerSGD's and DiLoCo's settings to
+    the chosen runs: PowerSGD best at rank 8 starting at step 68, DiLoCo at its default."""
     import lm_links
 
     for lr, val in ((1e-3, 30.0), (3e-3, 25.0), (1e-2, 28.0)):
@@ -134,24 +137,59 @@ def test_links_time_to_target_is_steps_to_it_times_each_phases_step(tmp_path: Pa
         _finish_at(links / f"powersgd-lr{lr:g}-s0", val)
     for lr, val in ((1e-3, 45.0), (3e-3, 40.0), (1e-2, 50.0)):  # DiLoCo best inside
         _finish_at(links / f"diloco-lr{lr:g}-s0", val)
-    assert [(p.name, lr) for p, _, lr in lm_links.todo(tmp_path)] == [
-        ("powersgd-lr0.0003-s0", 3e-4), ("pufferfish+diloco-lr0.003-s0", 3e-3)]
+    # PowerSGD's grid grows; DiLoCo's settings start at its chosen LR, its composition after them
+    diloco = [f"diloco-{s}-lr0.003-s0" for s in lm_links.SETTINGS["diloco"]]
+    assert [p.name for p, _, _ in lm_links.todo(tmp_path)] == [
+        "powersgd-lr0.0003-s0", *diloco, "pufferfish+diloco-lr0.003-s0"]
+    assert len(diloco) == len(lm_links.SETTINGS["powersgd"]) == 11  # as many as Pufferfish's
     runs = lm_links.runs(tmp_path)
     assert runs["powersgd"][0] is None and runs["pufferfish+powersgd"][2] is None
+    assert runs["diloco"][0].name == "diloco-lr0.003-s0"  # its default until its settings ran
+    assert lm_links.settings_tried(tmp_path) == {"powersgd": 0, "diloco": 0}
     _finish_at(links / "powersgd-lr0.0003-s0", 60.0)  # worse: 1e-3 chosen
+    pending = [(p.name, flags) for p, flags, _ in lm_links.todo(tmp_path)]
+    assert [n for n, _ in pending[:3]] == ["powersgd-r1-st10-lr0.001-s0", diloco[0],
+                                           "powersgd-r2-st10-lr0.001-s0"]  # interleaved
+    assert pending[0][1][-4:] == ["--powersgd-rank", "1", "--powersgd-start-iter", "10"]
+    for name, _ in pending:
+        if name.startswith(("powersgd-", "diloco-")):  # the settings (the rest recomputed)
+            _finish_at(links / name, 35.0 if name.startswith("powersgd-r8-st68") else 41.0)
     runs = lm_links.runs(tmp_path)
+    assert lm_links.settings_tried(tmp_path) == {"powersgd": 11, "diloco": 11}
     assert set(runs) == set(lm_links.LINK_METHODS) and runs["ddp"][2] == 3e-3
     assert runs["pufferfish+powersgd"][2] == runs["powersgd"][2] == 1e-3
+    assert runs["powersgd"][0].name == "powersgd-r8-st68-lr0.001-s0"
+    assert runs["pufferfish+powersgd"][0].name == "pufferfish+powersgd-r8-st68-lr0.001-s0"
+    assert runs["pufferfish+powersgd"][1][-4:] == ["--powersgd-rank", "8",
+                                                   "--powersgd-start-iter", "68"]
+    assert runs["diloco"][0].name == "diloco-lr0.003-s0"  # the default stays the best
     assert runs["diloco"][1][-6:-2] == ["--sync", "diloco", "--inner-steps", "30"]
+    return runs
+
+
+def test_links_time_to_target_is_steps_to_it_times_each_phases_step(tmp_path: Path) -> None:
+    """DDP ends at 20.0 (target 21.0); Pufferfish + DiLoCo crosses it halfway between steps 100
+    and 200 in log perplexity; its 30 steps before the switch take DiLoCo's step time. Pufferfish
+    + PowerSGD (starting at step 68) crosses there too: 30 steps at DDP's time (PowerSGD's first
+    steps all-reduce plainly), its hook again plain for 68 steps after the switch (Pufferfish's
+    time), then its own."""
+    import lm_links
+
+    runs = _links_study(tmp_path)
     full, puff = 1000, 600
     for method, (path, _, _) in runs.items():
-        shutil.rmtree(path, ignore_errors=True)  # the LR trials' own rows, replaced by curves
+        shutil.rmtree(path, ignore_errors=True)  # the trials' own rows, replaced by curves
         factorized = method.startswith("pufferfish")
         low = 21.0  # at step 100: 21^2 / 19, so 21.0 is halfway in log to step 200's 19.0
-        curve = ([(100, low * low / 19.0), (200, 19.0), (300, 18.5)] if method == "pufferfish+diloco"
+        curve = ([(100, low * low / 19.0), (200, 19.0), (300, 18.5)]
+                 if method in ("pufferfish+diloco", "pufferfish+powersgd")
                  else [(100, 40.0), (200, 30.0), (300, 20.0)] if method == "ddp"
-                 else [(100, 50.0), (200, 45.0), (300, 24.0 if method == "pufferfish" else 44.0)])
-        _curve_run(path, curve, puff if factorized else full, switch=30 if factorized else 0)
+                 else [(100, 50.0), (200, 45.0), (300, 24.0 if method == "pufferfish" else 34.0)])
+        config = ('comm = "powersgd"\npowersgd_rank = 8\npowersgd_start_iter = 68\n'
+                  if "powersgd" in method else "inner_steps = 30\n" if "diloco" in method else "")
+        _curve_run(path, curve, puff if factorized else full, switch=30 if factorized else 0,
+                   config=config)
+    assert lm_links.bench_flags(tmp_path) == ["--powersgd-rank", "8", "--inner-steps", "30"]
     bench = tmp_path / "links" / "bench"
     bench.mkdir(parents=True)
     rows = [{"method": m, "bandwidth": "10mbit", "step_time": t, "params": p,
@@ -159,15 +197,22 @@ def test_links_time_to_target_is_steps_to_it_times_each_phases_step(tmp_path: Pa
             for m, t, p in (("ddp", 2.0, full), ("diloco", 0.5, full), ("pufferfish+diloco", 0.25, puff),
                             ("powersgd", 1.0, full), ("pufferfish", 1.5, puff),
                             ("pufferfish+powersgd", 0.9, puff))]
-    (bench / "results.json").write_text(json.dumps({"rows": rows}))
+    config = {"powersgd_rank": 8, "inner_steps": 30}
+    (bench / "results.json").write_text(json.dumps({"config": config, "rows": rows}))
     table = lm_links.table(tmp_path)
     line = next(x for x in table.splitlines() if x.startswith("| pufferfish+diloco"))
     # reached at step 150: 30 steps at DiLoCo's 0.5 s, 120 at its own 0.25 s = 45 s
     assert "| 150 |" in line and line.rstrip(" |").endswith("45 s"), line
+    line = next(x for x in table.splitlines() if x.startswith("| pufferfish+powersgd"))
+    # 30 x 2.0 (DDP) + 68 x 1.5 (Pufferfish) + 52 x 0.9 (its own) = 208.8 s
+    assert line.rstrip(" |").endswith("209 s"), line
     ddp = next(x for x in table.splitlines() if x.startswith("| ddp"))
     assert "| 288 |" in ddp, ddp  # 30 -> 20 over steps 200-300: 21 is log(30/21) / log(30/20) = 0.88 in
     assert "not reached" in next(x for x in table.splitlines() if x.startswith("| powersgd"))
     assert table.endswith("First to the target: 10mbit pufferfish+diloco.")
+    (bench / "results.json").write_text(json.dumps({"config": {**config, "powersgd_rank": 4},
+                                                    "rows": rows}))
+    assert "the bench measured powersgd_rank 4" in lm_links.table(tmp_path)
     rows[0]["params"] = 999  # the bench measured another model: refused, not mixed
-    (bench / "results.json").write_text(json.dumps({"rows": rows}))
+    (bench / "results.json").write_text(json.dumps({"config": config, "rows": rows}))
     assert "not the same model" in lm_links.table(tmp_path)

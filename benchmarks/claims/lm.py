@@ -188,11 +188,10 @@ def budget_claim(cache: Path) -> dict:
 
 def _round_times(row: dict, links_rows: dict[str, dict], link: str) -> tuple[float, float] | None:
     """A links row's time to the target over ``link`` in the bench's best and worst rounds
-    (lm_links.seconds_to: the full-rank steps before a switch at its full-rank counterpart's)."""
+    (lm_links.seconds_to: each phase of its steps at its method's step time)."""
     import lm_links
 
-    full = links_rows.get(lm_links.FULL_PHASE.get(row["method"], row["method"]))
-    t = lm_links.seconds_to(row, None if full is None else full["step_s"][link], link)
+    t = lm_links.seconds_to(row, lm_links.link_times(list(links_rows.values()), link))
     return None if t is None else (t.low, t.high)
 
 
@@ -223,6 +222,15 @@ def budget_links_claim(cache: Path) -> dict:
     ready = (not isinstance(found, str) and all(link in found["links"] for link in slow)
              and all(r["run"] is not None for r in found["rows"]))  # every LR grid finished
     methods, ours, met = {}, f"not run yet: python benchmarks/lm_links.py run {out}", None
+    tried = lm_links.settings_tried(out) if ready else {}
+    knobs = ("PowerSGD and DiLoCo each at the best of its LR grid and of its own settings "
+             f"({len(lm_links.SETTINGS['powersgd'])} ranks and start steps, "
+             f"{len(lm_links.SETTINGS['diloco'])} H and outer LRs) on validation"
+             if all(n == len(lm_links.SETTINGS[m]) for m, n in tried.items()) else
+             "PowerSGD and DiLoCo each at the best of its LR grid on validation, at rank 4 and "
+             "H 30 (of their own settings, `lm_links.py run` has tried "
+             + ", ".join(f"{m} {n} of {len(lm_links.SETTINGS[m])}" for m, n in tried.items())
+             + ")")
     if ready:
         runs = {r["method"]: r for r in found["rows"]}
         puff = Path(runs["pufferfish"]["run"])
@@ -255,7 +263,6 @@ def budget_links_claim(cache: Path) -> dict:
         f"llama width {lm_budget.WIDTH:g}, {lm_budget.LR_BUDGET:g} tokens/param, seed 0; step "
         "times from `pufferfish bench` on 2 CPU processes over emulated links, steps to the target "
         "from each run's validation curve; the Pufferfish setting was chosen among the study's "
-        "on seed 0's validation; PowerSGD and DiLoCo each at the best of its LR grid on "
-        "validation, at one rank and one H, the compositions at their baseline's LR.",
+        f"on seed 0's validation; {knobs}, the compositions at their baseline's LR and setting.",
         "validation", ("LM budget study over links (llama ⅛, 20 tok/param)", "–", ours,
                        f"[over the links]({DOCS}#over-the-links-20-tokens-per-parameter-seed-0)"))
