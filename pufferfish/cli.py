@@ -370,10 +370,8 @@ def _cmd_factorize(args: argparse.Namespace) -> int:
         model = models.build_at_width(name, args.width, num_classes=args.num_classes,
                                       in_channels=args.in_channels, image_size=args.image_size,
                                       vocab_size=args.vocab_size)
-        if name in ("lstm", "transformer", "llama"):
-            x = torch.zeros((35, 1) if name == "lstm" else (1, 35), dtype=torch.long)
-        else:
-            x = torch.zeros(1, args.in_channels, args.image_size, args.image_size)
+        x = models.get_spec(name).sample_input(in_channels=args.in_channels,
+                                               image_size=args.image_size)
         report = factorize(model, rank_ratio=args.rank_ratio,
                            preset=None if args.preset == "none" else args.preset, example_input=x)
         print(f"== {name} (width {args.width}, input {tuple(x.shape)}, rank ratio "

@@ -19,8 +19,7 @@ from typing import Any
 from .data.bpe import MIN_VOCAB
 from .distributed.buckets import parse_bucket_mb
 from .distributed.hooks import all_hook_options, hook_names, with_option_fields
-from .models import MODELS
-from .models.llama import MAX_SEQ_LEN, llama_dims
+from .models import get_spec, model_names
 from .modes import mode_names
 
 __all__ = ["ConfigError", "TrainConfig", "choices"]
@@ -38,36 +37,6 @@ SWITCH_STATE = ("auto", "reset", "project")
 AUTO_SWITCH_LR_WARMUP = 0.05
 OPTIMIZERS = ("auto", "sgd", "adamw")
 GALORE_PROJ_TYPES = ("std", "reverse_std", "right", "left", "full")
-# Defaults that differ by model: load_config applies them to the keys that neither the TOML file
-# nor a flag sets, and optimizer "auto" reads its choice here (sgd for a model not listed: the
-# paper's recipe for the CNNs, the LSTM and the small transformer is unchanged). The LM recipe:
-# AdamW with decay / no-decay groups, linear LR warm-up then cosine decay, clipping at 1; and no
-# full-rank warm-up (the factors from the initialization's SVD, as --mode lowrank): the best on
-# validation at 1, 5 and 20 tokens per parameter (docs/benchmarks.md, "Language models at a
-# budget"). A --warmup-epochs or --warmup-steps of the user's still switches later.
-# A default may be a function of the other values (the llama LR of the width).
-MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"optimizer": "adamw", "lr": lambda values: llama_lr(float(values.get("width", 1.0))),
-              "weight_decay": 0.1, "schedule": "cosine", "lr_warmup_epochs": 0.1,
-              "grad_clip": 1.0, "warmup_epochs": "0"},
-}
-# llama's AdamW LR chosen on validation per width (20 tokens per parameter, 16,384 tokens a step,
-# seed 0; docs/benchmarks.md "Language models at a budget"): the widths the advice comes from.
-LLAMA_LR_MEASURED: dict[float, float] = {0.125: 1e-2}
-
-
-def llama_lr(width: float) -> float:
-    """The default llama LR at ``width``: the measured LR at a measured width, log-linear between
-    two measured widths, and scaled as 1/width from the nearest measured one beyond them (an
-    extrapolation: ``--help`` and the README say which widths were measured)."""
-    widths = sorted(LLAMA_LR_MEASURED)
-    if width <= widths[0] or width >= widths[-1]:
-        ref = widths[0] if width <= widths[0] else widths[-1]
-        return LLAMA_LR_MEASURED[ref] * ref / width
-    hi = next(w for w in widths if w >= width)
-    lo = widths[widths.index(hi) - 1]
-    f = math.log(width / lo) / math.log(hi / lo)
-    return math.exp((1 - f) * math.log(LLAMA_LR_MEASURED[lo]) + f * math.log(LLAMA_LR_MEASURED[hi]))
 SYNCS = ("ddp", "diloco")
 PARALLEL = ("ddp", "fsdp")
 # auto: each layer's fastest kernel, timed at the switch; a name: that kernel wherever a layer has it
@@ -190,8 +159,10 @@ class TrainConfig:
 
     # -- checks --------------------------------------------------------------------------
     def validate(self) -> None:
+        self._validate_model()
         for name, allowed in choices().items():
-            _choice(name, getattr(self, name), allowed)
+            if name != "model":
+                _choice(name, getattr(self, name), allowed)
         if self.parallel == "fsdp":
             self._check_fsdp()
         _positive("width", self.width)
@@ -214,8 +185,6 @@ class TrainConfig:
                      "switch_threshold", "tokens_per_param", "switch_lr_warmup"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is invalid: allowed >= 0")
-        if self.model == "llama":
-            self._validate_llama()
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"dropout {self.dropout!r} is invalid: allowed 0 <= dropout < 1")
         for option in HOOK_OPTIONS:
@@ -261,18 +230,19 @@ class TrainConfig:
             raise ConfigError(f"milestones {self.milestones!r} are invalid: allowed increasing "
                               "fractions of the epochs, each in (0, 1)")
 
-    def _validate_llama(self) -> None:
-        """Width, context and vocabulary of ``--model llama`` (the corpus checks its own limit)."""
+    def _validate_model(self) -> None:
+        """``model`` registered (or a ``PATH.py:NAME`` spec), then its spec's own check; the
+        packed LMs' byte-level BPE vocabulary (the corpus checks its own limit)."""
         try:
-            llama_dims(self.width)
+            spec = get_spec(self.model)
+            if spec.check is not None:
+                spec.check(self)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if not 1 <= self.seq_len <= MAX_SEQ_LEN:
-            raise ConfigError(f"seq_len {self.seq_len} is out of range for llama: allowed 1 to "
-                              f"{MAX_SEQ_LEN} (its longest RoPE table)")
-        if self.vocab_size < MIN_VOCAB:
+        if spec.task == "lm-packed" and self.vocab_size < MIN_VOCAB:
             raise ConfigError(f"vocab_size {self.vocab_size} is too small for a byte-level BPE: "
                               f"allowed >= {MIN_VOCAB} (256 bytes and <|endoftext|>)")
+
     def _validate_optimizer(self) -> None:
         """The AdamW/GaLore keys and the switch in steps."""
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
@@ -304,8 +274,9 @@ class TrainConfig:
         if not (self.slim_l1 >= 0 and math.isfinite(self.slim_l1)):
             raise ConfigError(f"slim_l1 {self.slim_l1!r} is invalid: allowed >= 0")
         if self.mode in ("lth", "prune") and self.is_lm:
+            images = (n for n in model_names() if not get_spec(n).is_lm)
             raise ConfigError(f"mode {self.mode!r} is invalid with model {self.model!r}: "
-                              "allowed resnet18, vgg19_bn")
+                              f"allowed {', '.join(images)}")
         if self.mode == "lth" and self.rewind_epoch >= self.epochs:
             raise ConfigError(f"rewind_epoch {self.rewind_epoch} is invalid with epochs "
                               f"{self.epochs}: allowed 0 <= rewind_epoch < epochs")
@@ -404,10 +375,10 @@ class TrainConfig:
 
     @property
     def optimizer_name(self) -> str:
-        """``optimizer`` with ``auto`` resolved by :data:`MODEL_DEFAULTS` (else ``sgd``)."""
+        """``optimizer`` with ``auto`` resolved by the model spec's defaults (else ``sgd``)."""
         if self.optimizer != "auto":
             return self.optimizer
-        return MODEL_DEFAULTS.get(self.model, {}).get("optimizer", "sgd")
+        return get_spec(self.model).defaults.get("optimizer", "sgd")
 
     @property
     def switch_state(self) -> str:
@@ -453,7 +424,7 @@ class TrainConfig:
 
     @property
     def is_lm(self) -> bool:
-        return self.model in ("lstm", "transformer", "llama")
+        return get_spec(self.model).is_lm
 
     def run_dir(self) -> Path:
         """``out``, or the name of a fresh directory for this run, so that two runs never share one:
@@ -463,13 +434,14 @@ class TrainConfig:
             return Path(self.out)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         if run_id != "none":
-            return Path(f"runs/{self.model}-{self.mode}-{run_id.split('-')[0]}")
+            return Path(f"runs/{get_spec(self.model).name}-{self.mode}-{run_id.split('-')[0]}")
         if self.resume == "auto":
             raise ConfigError("resume 'auto' continues the run in --out: allowed with --out "
                               "(without it every run gets a fresh directory)")
         # The name only: the run makes it with one atomic mkdir, or the next free -N
         # (training/rundir.py: two runs started in the same second get one each).
-        return Path(f"runs/{self.model}-{self.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
+        name = get_spec(self.model).name  # a PATH.py:NAME reference's spec name, not its path
+        return Path(f"runs/{name}-{self.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -477,7 +449,7 @@ class TrainConfig:
 
 def choices() -> dict[str, tuple[str, ...]]:
     """The fields that take one of a list of names, and the names (checks and ``--help``)."""
-    return {"model": tuple(MODELS), "mode": tuple(mode_names()), "comm": tuple(hook_names()),
+    return {"model": model_names(), "mode": tuple(mode_names()), "comm": tuple(hook_names()),
             "schedule": SCHEDULES, "backend": ("auto", "gloo", "nccl"), "nonfinite": NONFINITE,
             "switch_momentum": SWITCH_STATE, "optimizer": OPTIMIZERS,
             "galore_proj_type": GALORE_PROJ_TYPES, "sync": SYNCS,
