@@ -208,7 +208,7 @@ def _parser() -> argparse.ArgumentParser:
     fact = sub.add_parser("factorize", help="factorize a paper model and print the report")
     fact.add_argument("--model", nargs="+", default=["resnet18", "vgg19_bn"],
                       metavar="{" + ",".join(choices()["model"]) + "}",
-                      help="one or more of the paper's models")
+                      help="one or more of the models, or your ModelSpec as PATH.py:NAME")
     fact.add_argument("--width", type=float, default=1.0,
                       help="channel multiplier (images) / size multiplier (language models)")
     fact.add_argument("--rank-ratio", type=float, default=0.25,

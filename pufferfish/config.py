@@ -58,7 +58,7 @@ class ConfigError(ValueError):
 @with_option_fields(after="comm", options=HOOK_OPTIONS)
 class TrainConfig:
     # What to train
-    model: str = "resnet18"  # the network: the paper's models, or llama (the tokenizers package: the [lm] extra); `pufferfish factorize --model NAME` shows one
+    model: str = "resnet18"  # the network: the paper's models, llama (the tokenizers package: the [lm] extra), or your pufferfish.models.ModelSpec as PATH.py:NAME; `pufferfish factorize --model NAME` shows one
     width: float = 1.0  # channel multiplier (images) / size multiplier of the paper's dims (LMs)
     data: str = "fashion-mnist"  # fashion-mnist, cifar10, kjv, or a path to a UTF-8 text file
     data_dir: str = ""  # directory of the dataset's files (empty: the dataset's default)
