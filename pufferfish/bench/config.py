@@ -30,7 +30,7 @@ from .step import (
     parse_method_map,
 )
 from .usermodel import check_workload, is_user_model
-from .workload import image_models, is_lm, lm_models
+from .workload import adamw_models, image_models, is_lm, optimizer_name
 
 __all__ = [
     "AMP_CHOICES",
@@ -293,10 +293,12 @@ class BenchConfig:
                              + ", ".join(BENCH_METHODS))
         for m in self.methods:
             hook_for(m)
-        if "galore" in self.methods and (is_user_model(self.model) or not is_lm(self.model)):
+        if "galore" in self.methods and (is_user_model(self.model)
+                                         or optimizer_name(self.model) != "adamw"):
             raise ValueError(f"method 'galore' is invalid with model {self.model!r}: GaLore's "
                              "AdamW would race the image models' SGD; allowed with "
-                             f"{', '.join(lm_models())} (every method there steps with AdamW)")
+                             f"{', '.join(adamw_models())} (every method there steps with "
+                             "AdamW)")
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"--methods {','.join(self.methods)!r} names a method twice")
 

@@ -5,8 +5,9 @@ references that name one, and the checks that turn a bad one into a one-line err
 ``hf:PATH/config.json`` (a Hugging Face causal LM built from its config, no download; needs
 ``transformers``); a ``PATH.py:NAME`` whose ``NAME`` is a ``ModelSpec`` is a model like ours
 instead (:mod:`pufferfish.models.spec`). ``FUNC()`` takes no argument and returns a
-:class:`Workload`. Every worker process loads the reference itself (the bench passes the string, never the object), so the
-factory must be importable from a fresh process and give the same model there.
+:class:`Workload`. Every worker process loads the reference itself (the bench passes the string,
+never the object), so the factory must be importable from a fresh process and give the same
+model there.
 """
 
 from __future__ import annotations

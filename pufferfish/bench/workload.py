@@ -24,7 +24,7 @@ from ..training.optim import build_optimizer
 from ..training.step import Replica, train_step
 from .usermodel import LOSS_ATTR, build_user_model, call_model, is_user_model, load_workload
 
-__all__ = ["PUFFERFISH_RANK_RATIO", "build_model", "image_models", "is_lm", "lm_models",
+__all__ = ["PUFFERFISH_RANK_RATIO", "adamw_models", "build_model", "image_models", "is_lm", "lm_models",
            "make_optimizer", "optimizer_name", "quartiles", "timed", "train_one_step"]
 
 PUFFERFISH_RANK_RATIO = 0.25  # the paper's ratio, with the model's "paper" preset
@@ -39,6 +39,11 @@ def is_lm(model: str) -> bool:
 def lm_models() -> tuple[str, ...]:
     """The registered language models (for messages and ``--help``)."""
     return tuple(n for n in model_names() if get_spec(n).is_lm)
+
+
+def adamw_models() -> tuple[str, ...]:
+    """The registered models every bench method steps with AdamW (those GaLore may join)."""
+    return tuple(n for n in model_names() if get_spec(n).bench_optimizer == "adamw")
 
 
 def image_models() -> tuple[str, ...]:
