@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from pufferfish import factorize
 from pufferfish.cli import main
 from pufferfish.configfile import load_config
 from pufferfish.models import ModelSpec, build_at_width, get_spec, model_names, register_model
@@ -129,7 +130,11 @@ def test_referenced_model_benches_in_the_workers(tmp_path: Path) -> None:
                "--out", str(out)])
     assert rc == 0
     rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
-    full = sum(p.numel() for p in build_tiny_mlp(1.0).parameters())
+    model = get_spec(REF).build_at(1.0, in_channels=1, image_size=28)
+    full = sum(p.numel() for p in model.parameters())
     assert rows["ddp"]["params"] == rows["ddp"]["params_full"] == full
-    assert rows["pufferfish"]["params"] < full  # fc2 factorized at rank ratio 1/4
+    # the workers kept the spec's preset: fc1 and the head full rank, fc2 at rank ratio 1/4
+    report = factorize(model, rank_ratio=0.25, preset="paper")
+    assert [d.name for d in report.factorized] == ["fc2"]
+    assert rows["pufferfish"]["params"] == report.params_after < full
     assert "Fashion-MNIST" in (out / "results.md").read_text()
