@@ -210,7 +210,7 @@ def _parser() -> argparse.ArgumentParser:
     fact = sub.add_parser("factorize", help="factorize a paper model and print the report")
     fact.add_argument("--model", nargs="+", default=["resnet18", "vgg19_bn"],
                       metavar="{" + ",".join(choices()["model"]) + "}",
-                      help="one or more of the paper's models")
+                      help="one or more of the models, or your ModelSpec as PATH.py:NAME")
     fact.add_argument("--width", type=float, default=1.0,
                       help="channel multiplier (images) / size multiplier (language models)")
     fact.add_argument("--rank-ratio", type=float, default=0.25,
@@ -380,10 +380,8 @@ def _cmd_factorize(args: argparse.Namespace) -> int:
         model = models.build_at_width(name, args.width, num_classes=args.num_classes,
                                       in_channels=args.in_channels, image_size=args.image_size,
                                       vocab_size=args.vocab_size)
-        if name in ("lstm", "transformer", "llama"):
-            x = torch.zeros((35, 1) if name == "lstm" else (1, 35), dtype=torch.long)
-        else:
-            x = torch.zeros(1, args.in_channels, args.image_size, args.image_size)
+        x = models.get_spec(name).sample_input(in_channels=args.in_channels,
+                                               image_size=args.image_size)
         report = factorize(model, rank_ratio=args.rank_ratio,
                            preset=None if args.preset == "none" else args.preset, example_input=x)
         print(f"== {name} (width {args.width}, input {tuple(x.shape)}, rank ratio "

@@ -11,7 +11,6 @@ flag strings, the shipped configs) is :mod:`pufferfish.configfile`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -19,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .data.bpe import MIN_VOCAB
-from .models import MODELS
-from .models.llama import MAX_SEQ_LEN, llama_dims
+from .models import get_spec, model_names
 from .options import (
     GROUPS,
     HOOK_OPTIONS,
@@ -41,43 +39,10 @@ from .options import (
 )
 from .options.checks import as_float as _float
 from .options.checks import as_int as _int
-from .options.checks import choice as _choice
 
 __all__ = ["HOOK_OPTIONS", "ConfigError", "TrainConfig", "choices"]
 
 WARMUP_ALLOWED = "an integer >= 0, a percentage of the epochs such as '20%', or 'auto'"
-# Defaults that differ by model: load_config applies them to the keys that neither the TOML file
-# nor a flag sets, and optimizer "auto" reads its choice here (sgd for a model not listed: the
-# paper's recipe for the CNNs, the LSTM and the small transformer is unchanged). The LM recipe:
-# AdamW with decay / no-decay groups, linear LR warm-up then cosine decay, clipping at 1; and no
-# full-rank warm-up (the factors from the initialization's SVD, as --mode lowrank): the best on
-# validation at 1, 5 and 20 tokens per parameter (docs/benchmarks.md, "Language models at a
-# budget"). A --warmup-epochs or --warmup-steps of the user's still switches later.
-# A default may be a function of the other values (the llama LR of the width).
-MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"optimizer": "adamw", "lr": lambda values: llama_lr(float(values.get("width", 1.0))),
-              "weight_decay": 0.1, "schedule": "cosine", "lr_warmup_epochs": 0.1,
-              "grad_clip": 1.0, "warmup_epochs": "0"},
-}
-# llama's AdamW LR chosen on validation per width (20 tokens per parameter, 16,384 tokens a step,
-# seed 0; docs/benchmarks.md "Language models at a budget"): the widths the advice comes from.
-LLAMA_LR_MEASURED: dict[float, float] = {0.125: 1e-2}
-
-
-def llama_lr(width: float) -> float:
-    """The default llama LR at ``width``: the measured LR at a measured width, log-linear between
-    two measured widths, and scaled as 1/width from the nearest measured one beyond them (an
-    extrapolation: ``--help`` and the README say which widths were measured)."""
-    widths = sorted(LLAMA_LR_MEASURED)
-    if width <= widths[0] or width >= widths[-1]:
-        ref = widths[0] if width <= widths[0] else widths[-1]
-        return LLAMA_LR_MEASURED[ref] * ref / width
-    hi = next(w for w in widths if w >= width)
-    lo = widths[widths.index(hi) - 1]
-    f = math.log(width / lo) / math.log(hi / lo)
-    return math.exp((1 - f) * math.log(LLAMA_LR_MEASURED[lo]) + f * math.log(LLAMA_LR_MEASURED[hi]))
-
-
 # The bases in reverse: a dataclass takes its bases' fields from the last base to the first, so
 # the fields (--help, config.toml) come in the order of options.GROUPS.
 @dataclass
@@ -92,13 +57,11 @@ class TrainConfig(RunOptions, DistributedOptions, LMOptions, OptimizerOptions, T
 
     # -- checks --------------------------------------------------------------------------
     def validate(self) -> None:
-        _choice("model", self.model, choices()["model"])
+        self._validate_model()
         for group in GROUPS:  # each group's own fields
             group.check_group(self)
         if self.parallel == "fsdp":
             self._check_fsdp()
-        if self.model == "llama":
-            self._validate_llama()
         if self.warmup_epochs.endswith("%"):
             pct = _float("warmup_epochs", self.warmup_epochs[:-1], WARMUP_ALLOWED)
             if not 0 <= pct < 100:
@@ -119,18 +82,19 @@ class TrainConfig(RunOptions, DistributedOptions, LMOptions, OptimizerOptions, T
         self._validate_optimizer()
         self._validate_sync()
 
-    def _validate_llama(self) -> None:
-        """Width, context and vocabulary of ``--model llama`` (the corpus checks its own limit)."""
+    def _validate_model(self) -> None:
+        """``model`` registered (or a ``PATH.py:NAME`` spec), then its spec's own check; the
+        packed LMs' byte-level BPE vocabulary (the corpus checks its own limit)."""
         try:
-            llama_dims(self.width)
+            spec = get_spec(self.model)
+            if spec.check is not None:
+                spec.check(self)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if not 1 <= self.seq_len <= MAX_SEQ_LEN:
-            raise ConfigError(f"seq_len {self.seq_len} is out of range for llama: allowed 1 to "
-                              f"{MAX_SEQ_LEN} (its longest RoPE table)")
-        if self.vocab_size < MIN_VOCAB:
+        if spec.task == "lm-packed" and self.vocab_size < MIN_VOCAB:
             raise ConfigError(f"vocab_size {self.vocab_size} is too small for a byte-level BPE: "
                               f"allowed >= {MIN_VOCAB} (256 bytes and <|endoftext|>)")
+
     def _validate_optimizer(self) -> None:
         """The switch in steps with the mode, GaLore's rank (each key's own check is its group's)."""
         w = self.warmup_steps
@@ -144,8 +108,9 @@ class TrainConfig(RunOptions, DistributedOptions, LMOptions, OptimizerOptions, T
     def _validate_baselines(self) -> None:
         """The ``lth``/``prune`` keys with the model and the epochs (see :mod:`pufferfish.baselines`)."""
         if self.mode in ("lth", "prune") and self.is_lm:
+            images = (n for n in model_names() if not get_spec(n).is_lm)
             raise ConfigError(f"mode {self.mode!r} is invalid with model {self.model!r}: "
-                              "allowed resnet18, vgg19_bn")
+                              f"allowed {', '.join(images)}")
         if self.mode == "lth" and self.rewind_epoch >= self.epochs:
             raise ConfigError(f"rewind_epoch {self.rewind_epoch} is invalid with epochs "
                               f"{self.epochs}: allowed 0 <= rewind_epoch < epochs")
@@ -189,10 +154,10 @@ class TrainConfig(RunOptions, DistributedOptions, LMOptions, OptimizerOptions, T
     # -- derived values ------------------------------------------------------------------
     @property
     def optimizer_name(self) -> str:
-        """``optimizer`` with ``auto`` resolved by :data:`MODEL_DEFAULTS` (else ``sgd``)."""
+        """``optimizer`` with ``auto`` resolved by the model spec's defaults (else ``sgd``)."""
         if self.optimizer != "auto":
             return self.optimizer
-        return MODEL_DEFAULTS.get(self.model, {}).get("optimizer", "sgd")
+        return get_spec(self.model).defaults.get("optimizer", "sgd")
 
     @property
     def ratio(self) -> float | str:
@@ -205,7 +170,7 @@ class TrainConfig(RunOptions, DistributedOptions, LMOptions, OptimizerOptions, T
 
     @property
     def is_lm(self) -> bool:
-        return self.model in ("lstm", "transformer", "llama")
+        return get_spec(self.model).is_lm
 
     def run_dir(self) -> Path:
         """``out``, or the name of a fresh directory for this run, so that two runs never share one:
@@ -215,13 +180,14 @@ class TrainConfig(RunOptions, DistributedOptions, LMOptions, OptimizerOptions, T
             return Path(self.out)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         if run_id != "none":
-            return Path(f"runs/{self.model}-{self.mode}-{run_id.split('-')[0]}")
+            return Path(f"runs/{get_spec(self.model).name}-{self.mode}-{run_id.split('-')[0]}")
         if self.resume == "auto":
             raise ConfigError("resume 'auto' continues the run in --out: allowed with --out "
                               "(without it every run gets a fresh directory)")
         # The name only: the run makes it with one atomic mkdir, or the next free -N
         # (training/rundir.py: two runs started in the same second get one each).
-        return Path(f"runs/{self.model}-{self.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
+        name = get_spec(self.model).name  # a PATH.py:NAME reference's spec name, not its path
+        return Path(f"runs/{name}-{self.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -229,7 +195,7 @@ class TrainConfig(RunOptions, DistributedOptions, LMOptions, OptimizerOptions, T
 
 def choices() -> dict[str, tuple[str, ...]]:
     """The fields that take one of a list of names, and the names (checks and ``--help``)."""
-    found = {"model": tuple(MODELS)}
+    found = {"model": model_names()}
     for group in GROUPS:
         found.update(group_choices(group))
     return found

@@ -15,8 +15,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
-from .config import HOOK_OPTIONS, MODEL_DEFAULTS, ConfigError, TrainConfig
+from .config import HOOK_OPTIONS, ConfigError, TrainConfig
 from .fieldhelp import field_help
+from .models import get_spec
 from .options import section_of, sections
 
 __all__ = ["FIELDS", "SHIPPED", "coerce", "coerce_scalar", "config_path", "dump_toml",
@@ -181,7 +182,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     for key, value in overrides.items():
         values[key] = coerce(key, value)
     model = values.get("model", FIELDS["model"].default)
-    for key, value in MODEL_DEFAULTS.get(model, {}).items():
+    try:
+        spec = get_spec(model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for key, value in spec.defaults.items():
         if key not in values:
             values[key] = value(values) if callable(value) else value
     return TrainConfig(**values)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,11 @@ from helpers import killed_and_resumed, metrics, run_cli, tiny_transformer_args
 from torch import nn
 
 import pufferfish as pf
-from pufferfish import config as config_module
 from pufferfish.config import TrainConfig
 from pufferfish.configfile import load_config
-from pufferfish.models import build_at_width
+from pufferfish.models import build_at_width, get_spec
+from pufferfish.models import spec as spec_module
+from pufferfish.models.llama import LLAMA_LR_MEASURED, llama_lr
 from pufferfish.switch import projected_state
 from pufferfish.training.checkpoint import latest_checkpoint
 from pufferfish.training.optim import build_optimizer
@@ -61,10 +63,10 @@ def test_optimizer_defaults_by_model(monkeypatch: pytest.MonkeyPatch) -> None:
     # The paper's models keep SGD (the transformer too: its recipe is unchanged).
     for model in ("resnet18", "transformer"):
         assert load_config(overrides={"model": model}).optimizer_name == "sgd"
-    assert config_module.MODEL_DEFAULTS["llama"]["optimizer"] == "adamw"
-    # A model's defaults fill what the user did not set; a flag or the file wins.
-    monkeypatch.setitem(config_module.MODEL_DEFAULTS, "transformer",
-                        config_module.MODEL_DEFAULTS["llama"])
+    assert get_spec("llama").defaults["optimizer"] == "adamw"
+    # A model spec's defaults fill what the user did not set; a flag or the file wins.
+    monkeypatch.setitem(spec_module._REGISTRY, "transformer", dataclasses.replace(
+        get_spec("transformer"), defaults=get_spec("llama").defaults))
     cfg = load_config(overrides={"model": "transformer", "lr": "0.01"})
     assert (cfg.optimizer_name, cfg.lr, cfg.schedule) == ("adamw", 0.01, "cosine")
     assert TrainConfig(model="transformer", data="kjv").optimizer_name == "adamw"  # auto
@@ -72,20 +74,20 @@ def test_optimizer_defaults_by_model(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_llama_lr_default_is_the_measured_one_and_scales_as_one_over_width_elsewhere() -> None:
     # width 0.125: the LR chosen on validation by the budget study; elsewhere 1/width from it
-    for width, lr in config_module.LLAMA_LR_MEASURED.items():
+    for width, lr in LLAMA_LR_MEASURED.items():
         assert load_config(overrides={"model": "llama", "width": width}).lr == lr
     assert load_config(overrides={"model": "llama", "width": 0.25}).lr == pytest.approx(5e-3)
     assert load_config(overrides={"model": "llama"}).lr == pytest.approx(1.25e-3)  # width 1
     assert load_config(overrides={"model": "llama", "width": 0.25, "lr": "3e-3"}).lr == 3e-3
     # between two measured widths: log-linear
-    old = dict(config_module.LLAMA_LR_MEASURED)
+    old = dict(LLAMA_LR_MEASURED)
     try:
-        config_module.LLAMA_LR_MEASURED.update({0.125: 1e-2, 0.5: 1e-3})
-        assert config_module.llama_lr(0.25) == pytest.approx(10 ** -2.5)
-        assert config_module.llama_lr(1.0) == pytest.approx(5e-4)
+        LLAMA_LR_MEASURED.update({0.125: 1e-2, 0.5: 1e-3})
+        assert llama_lr(0.25) == pytest.approx(10 ** -2.5)
+        assert llama_lr(1.0) == pytest.approx(5e-4)
     finally:
-        config_module.LLAMA_LR_MEASURED.clear()
-        config_module.LLAMA_LR_MEASURED.update(old)
+        LLAMA_LR_MEASURED.clear()
+        LLAMA_LR_MEASURED.update(old)
     # --help names the widths the advice was measured at
     assert "width 0.125 only" in " ".join(run_cli("train", "--help").stdout.split())
 

@@ -15,6 +15,7 @@ from ..configfile import load_config
 from ..data import DEFAULT_FASHION_DIR
 from ..distributed.buckets import parse_bucket_mb
 from ..distributed.hooks import with_option_fields
+from ..models import model_names
 from ..options import BatchOptions, ModelOptions, SubsetOptions, override_defaults
 from . import accuracy as acc
 from . import projection as proj
@@ -26,17 +27,16 @@ from .step import (
     FSDP_VERSIONS,
     HOOK_DEFAULTS,
     HOOK_OPTIONS,
-    LM_MODELS,
     hook_for,
     parse_method_map,
 )
 from .usermodel import check_workload, is_user_model
+from .workload import adamw_models, image_models, is_lm, optimizer_name
 
 __all__ = [
     "AMP_CHOICES",
     "COMPUTE_MS_FORM",
     "DEFAULT_METHODS",
-    "IMAGE_MODELS",
     "STEP_TIMEOUT",
     "BenchConfig",
     "load_results",
@@ -47,7 +47,6 @@ __all__ = [
 ]
 
 DEFAULT_METHODS = ("ddp", "fp16", "powersgd", "signum", "topk", "pufferfish")
-IMAGE_MODELS = ("resnet18", "vgg19_bn")
 STEP_TIMEOUT = 3600.0  # per worker group, when --timeout is not given
 
 
@@ -135,15 +134,8 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
         """Check every value before any process starts (``ValueError``: CLI exit 2)."""
         if is_user_model(self.model):
             self._validate_user_model()
-        elif self.model not in (*IMAGE_MODELS, *LM_MODELS):
-            raise ValueError(
-                f"model {self.model!r} is invalid for the benchmark: allowed "
-                f"{', '.join((*IMAGE_MODELS, *LM_MODELS))}, or your own: PATH.py:FUNC, "
-                "package.module:FUNC, hf:CONFIG.json"
-            )
-        if self.model in LM_MODELS and (self.train or self.accuracy_runs):
-            raise ValueError(f"model {self.model!r}: --train and --accuracy-runs are for the "
-                             f"image models ({', '.join(IMAGE_MODELS)}); step times only")
+        else:
+            self._validate_spec_model()
         self._validate_methods()
         self._validate_fsdp()
         if self.torchrun:
@@ -204,7 +196,8 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
                 raise ValueError(f"--train-config: {e}") from None
         self._validate_accuracy()
         data = Path(self.data_dir) if self.data_dir else _default_data_dir()
-        if not self.from_results and self.model in IMAGE_MODELS and not data.is_dir():
+        if not self.from_results and not is_user_model(self.model) and not is_lm(self.model) \
+                and not data.is_dir():
             raise ValueError(
                 f"Fashion-MNIST directory {str(data)!r} does not exist: install the Debian "
                 "package dataset-fashion-mnist or pass --data-dir"
@@ -236,13 +229,28 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
             raise ValueError("--train is invalid under torchrun: allowed outside it (under "
                              "torchrun the bench measures step times)")
 
+    def _validate_spec_model(self) -> None:
+        """A model spec (ours, or ``PATH.py:NAME`` of the user's ``ModelSpec``): it exists, and
+        only an image model trains for ``--train`` / ``--accuracy-runs``."""
+        try:
+            lm = is_lm(self.model)
+        except ValueError:
+            raise ValueError(
+                f"model {self.model!r} is invalid for the benchmark: allowed "
+                f"{', '.join(model_names())}, or your own: PATH.py:NAME (a ModelSpec), "
+                "PATH.py:FUNC, package.module:FUNC, hf:CONFIG.json"
+            ) from None
+        if lm and (self.train or self.accuracy_runs):
+            raise ValueError(f"model {self.model!r}: --train and --accuracy-runs are for the "
+                             f"image models ({', '.join(image_models())}); step times only")
+
     def _validate_user_model(self) -> None:
         """``--model PATH.py:FUNC`` (or ``module:FUNC``, ``hf:CONFIG.json``): it loads, keeps the
         Workload contract, and Pufferfish finds layers to factorize if a method needs them; the
         methods and modes that need one of our models are refused."""
         if self.train or self.accuracy_runs:
             raise ValueError(f"--model {self.model!r}: --train and --accuracy-runs train our "
-                             f"models ({', '.join(IMAGE_MODELS)}); your model: step times only")
+                             f"models ({', '.join(image_models())}); your model: step times only")
         for m in self.methods:
             hook_for(m)
             if m == "galore" or m in FSDP_METHODS:
@@ -282,10 +290,12 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
                              + ", ".join(BENCH_METHODS))
         for m in self.methods:
             hook_for(m)
-        if "galore" in self.methods and self.model not in LM_MODELS:
+        if "galore" in self.methods and (is_user_model(self.model)
+                                         or optimizer_name(self.model) != "adamw"):
             raise ValueError(f"method 'galore' is invalid with model {self.model!r}: GaLore's "
                              "AdamW would race the image models' SGD; allowed with "
-                             f"{', '.join(LM_MODELS)} (every method there steps with AdamW)")
+                             f"{', '.join(adamw_models())} (every method there steps with "
+                             "AdamW)")
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"--methods {','.join(self.methods)!r} names a method twice")
 

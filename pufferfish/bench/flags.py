@@ -7,14 +7,14 @@ import argparse
 
 from .config import (
     DEFAULT_METHODS,
-    IMAGE_MODELS,
     STEP_TIMEOUT,
     BenchConfig,
     measured_config,
     parallel_methods,
 )
 from .launched import torchrun_links, under_torchrun
-from .step import BENCH_METHODS, FSDP_VERSIONS, HOOK_OPTIONS, LM_MODELS
+from .step import BENCH_METHODS, FSDP_VERSIONS, HOOK_OPTIONS
+from .workload import image_models, lm_models
 
 __all__ = ["add_arguments", "config_from_args"]
 
@@ -32,7 +32,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def _model_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
     """What is measured: the model and the methods."""
     ap.add_argument("--model", default=d.model,
-                    help=f"{', '.join((*IMAGE_MODELS, *LM_MODELS))}, or yours: PATH.py:FUNC or "
+                    help=f"{', '.join((*image_models(), *lm_models()))}, or yours: "
+                         "PATH.py:NAME (NAME a pufferfish.models.ModelSpec), PATH.py:FUNC or "
                          "package.module:FUNC (FUNC() returns a pufferfish.bench.Workload), "
                          "hf:CONFIG.json (a Hugging Face causal LM from its config)")
     ap.add_argument("--seq-len", type=int, default=d.seq_len,

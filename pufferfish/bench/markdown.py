@@ -17,9 +17,9 @@ from . import projection as proj
 from .bandwidth import format_bps
 from .config import BenchConfig, results_path
 from .rounds import spread
-from .step import LM_MODELS
 from .usermodel import is_user_model
 from .verdict import verdict_markdown
+from .workload import is_lm
 
 __all__ = ["results_markdown", "train_markdown"]
 
@@ -37,7 +37,7 @@ def _ms_spread(row: dict[str, Any], key: str) -> str:
 def _data(cfg: BenchConfig) -> str:
     if is_user_model(cfg.model):
         return "the workload's make_batch"
-    if cfg.model not in LM_MODELS:
+    if not is_lm(cfg.model):
         return "Fashion-MNIST"
     return f"KJV sequences of {cfg.seq_len} words (vocabulary {cfg.vocab_size})"
 

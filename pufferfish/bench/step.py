@@ -108,11 +108,11 @@ from ..distributed.buckets import BucketTuner, bucket_overrides, parse_bucket_mb
 from ..distributed.diloco import DiLoCoState
 from ..distributed.env import cleanup, exit_process
 from ..distributed.hooks import all_hook_options, hook_names, hook_options, register_comm_hook
+from ..models import get_spec
 from ..training.step import Replica, micro_batch_groups, timed, to_device
 from .sharded import measure_sharded
 from .usermodel import is_user_model, user_batches
 from .workload import (
-    LM_MODELS,
     PUFFERFISH_RANK_RATIO,
     build_model,
     make_optimizer,
@@ -121,7 +121,7 @@ from .workload import (
 )
 
 __all__ = ["BENCH_METHODS", "DILOCO_METHODS", "FSDP_METHODS", "FSDP_VERSIONS", "HOOK_DEFAULTS",
-           "HOOK_OPTIONS", "LM_MODELS", "PUFFERFISH_RANK_RATIO", "amp_for", "hook_for",
+           "HOOK_OPTIONS", "PUFFERFISH_RANK_RATIO", "amp_for", "hook_for",
            "main", "method_options", "parallel_for", "parse_method_map", "pick_device"]
 
 # method -> (factorize the model?, comm hook): plain DDP, every registered comm hook, Pufferfish
@@ -284,7 +284,7 @@ def _batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list[An
     """``n`` real training minibatches of this rank's shard, materialized up front."""
     if is_user_model(args.model):  # the user's Workload.make_batch
         return user_batches(args.model, args.seq_len, args.batch_size, n, seed=args.seed + rank)
-    if args.model in LM_MODELS:
+    if get_spec(args.model).is_lm:
         return _token_batches(args, rank, world, n)
 
     images, labels = load_fashion_mnist(
@@ -305,16 +305,18 @@ def _batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list[An
 
 
 def _token_batches(args: argparse.Namespace, rank: int, world: int, n: int) -> list[Any]:
-    """``n`` (input, target) batches of KJV words (batch first; the LSTM's are sequence first)."""
+    """``n`` (input, target) batches of KJV words (batch first, or sequence first where the
+    model spec says so: the LSTM's)."""
     stream = load_dataset("kjv").train.clamp(max=args.vocab - 1)
     span = args.seq_len + 1
     count = n * args.batch_size
     starts = (torch.arange(count) * world + rank) * span % max(1, len(stream) - span)
     rows = torch.stack([stream[s:s + span] for s in starts.tolist()])
+    batch_first = get_spec(args.model).batch_first
     out = []
     for chunk in rows.split(args.batch_size):
         x, y = chunk[:, :-1], chunk[:, 1:]
-        out.append((x.t().contiguous(), y.t().contiguous()) if args.model == "lstm" else (x, y))
+        out.append((x, y) if batch_first else (x.t().contiguous(), y.t().contiguous()))
     return out
 
 

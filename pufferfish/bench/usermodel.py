@@ -3,18 +3,17 @@ references that name one, and the checks that turn a bad one into a one-line err
 
 ``REF`` is ``PATH.py:FUNC`` (a file, spaces allowed), ``package.module:FUNC`` (importable), or
 ``hf:PATH/config.json`` (a Hugging Face causal LM built from its config, no download; needs
-``transformers``). ``FUNC()`` takes no argument and returns a :class:`Workload`. Every worker
-process loads the reference itself (the bench passes the string, never the object), so the
-factory must be importable from a fresh process and give the same model there.
+``transformers``); a ``PATH.py:NAME`` whose ``NAME`` is a ``ModelSpec`` is a model like ours
+instead (:mod:`pufferfish.models.spec`). ``FUNC()`` takes no argument and returns a
+:class:`Workload`. Every worker process loads the reference itself (the bench passes the string,
+never the object), so the factory must be importable from a fresh process and give the same
+model there.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import importlib
-import importlib.util
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from torch import nn
 from ..lowrank import factorize
 from ..lowrank.presets import presets_of
 from ..lowrank.report import FactorizationReport
+from ..models.spec import import_reference, spec_of_reference
 
 __all__ = ["LOSS_ATTR", "Workload", "build_user_model", "call_model", "check_workload",
            "factorization_report", "is_user_model", "load_workload", "user_batches"]
@@ -55,8 +55,17 @@ class Workload:
 
 
 def is_user_model(ref: str) -> bool:
-    """Whether ``--model`` names the user's workload rather than one of ours."""
-    return ref.startswith(_HF) or ":" in ref
+    """Whether ``--model`` names the user's :class:`Workload` rather than a model spec (ours, or
+    the user's ``PATH.py:NAME`` of a ``ModelSpec``, which the bench times as it times ours). A
+    reference that does not load is the user's: :func:`load_workload` says what is wrong."""
+    if ref.startswith(_HF):
+        return True
+    if ":" not in ref:
+        return False
+    try:
+        return spec_of_reference(ref) is None
+    except ValueError:
+        return True
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
@@ -78,7 +87,7 @@ def load_workload(ref: str, seq_len: int = 64) -> Workload:
     where, sep, name = ref.rpartition(":")
     if not sep or not where or not name.isidentifier():
         raise ValueError(f"--model {ref!r} is invalid: allowed {_FORMS}")
-    factory = getattr(_module(ref, where), name, None)
+    factory = getattr(import_reference(ref, where), name, None)
     if factory is None:
         raise ValueError(f"--model {ref!r}: {where} has no {name!r}")
     if not callable(factory):
@@ -88,33 +97,6 @@ def load_workload(ref: str, seq_len: int = 64) -> Workload:
     except Exception as e:  # the user's code: any error is theirs, said in one line
         raise ValueError(f"--model {ref!r}: {name}() raised {type(e).__name__}: {e}") from None
     return _checked(ref, name, workload)
-
-
-def _module(ref: str, where: str) -> Any:
-    """The module of ``PATH.py`` (loaded from the file) or of ``package.module`` (imported)."""
-    if where.endswith(".py") or "/" in where or "\\" in where:
-        path = Path(where).expanduser()
-        if not path.is_file():
-            raise ValueError(f"--model {ref!r}: no file {str(path)!r} (allowed an existing "
-                             "PATH.py:FUNC, or package.module:FUNC; the example "
-                             "examples/bench_my_model.py is in the repository, not the wheel)")
-        name = f"_pufferfish_workload_{abs(hash(str(path.resolve())))}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"--model {ref!r}: {str(path)!r} is not a Python file")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses and pickling look the module up by name
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:
-            raise ValueError(f"--model {ref!r}: importing {str(path)!r} raised "
-                             f"{type(e).__name__}: {e}") from None
-        return module
-    try:
-        return importlib.import_module(where)
-    except Exception as e:
-        raise ValueError(f"--model {ref!r}: cannot import {where!r} "
-                         f"({type(e).__name__}: {e})") from None
 
 
 def _checked(ref: str, name: str, workload: Any) -> Workload:

@@ -18,17 +18,37 @@ from ..baselines.galore import galore_optimizer, galore_ranks
 from ..config import TrainConfig
 from ..lowrank import factorize
 from ..lowrank.counting import count_params
-from ..models import build_at_width
+from ..models import build_at_width, get_spec, model_names
 from ..models.memory_format import to_channels_last
 from ..training.optim import build_optimizer
 from ..training.step import Replica, train_step
 from .usermodel import LOSS_ATTR, build_user_model, call_model, is_user_model, load_workload
 
-__all__ = ["LM_MODELS", "PUFFERFISH_RANK_RATIO", "build_model", "make_optimizer",
-           "optimizer_name", "quartiles", "timed", "train_one_step"]
+__all__ = ["PUFFERFISH_RANK_RATIO", "adamw_models", "build_model", "image_models", "is_lm", "lm_models",
+           "make_optimizer", "optimizer_name", "quartiles", "timed", "train_one_step"]
 
 PUFFERFISH_RANK_RATIO = 0.25  # the paper's ratio, with the model's "paper" preset
-LM_MODELS = ("lstm", "transformer", "llama")  # timed on KJV token batches
+
+
+def is_lm(model: str) -> bool:
+    """Whether the bench times ``model`` (a spec's name or ``PATH.py:NAME``) on KJV token
+    batches (a language model) rather than Fashion-MNIST images."""
+    return get_spec(model).is_lm
+
+
+def lm_models() -> tuple[str, ...]:
+    """The registered language models (for messages and ``--help``)."""
+    return tuple(n for n in model_names() if get_spec(n).is_lm)
+
+
+def adamw_models() -> tuple[str, ...]:
+    """The registered models every bench method steps with AdamW (those GaLore may join)."""
+    return tuple(n for n in model_names() if get_spec(n).bench_optimizer == "adamw")
+
+
+def image_models() -> tuple[str, ...]:
+    """The registered image models (for messages and ``--help``)."""
+    return tuple(n for n in model_names() if not get_spec(n).is_lm)
 
 
 def build_model(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, int]:
@@ -39,12 +59,9 @@ def build_model(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, 
     if is_user_model(args.model):  # --model PATH.py:FUNC, module:FUNC, hf:CONFIG: usermodel.py
         model, full = build_user_model(args.model, args.seq_len, factorized)
         return _prepared(args, model), full
-    if args.model in LM_MODELS:
-        model = build_at_width(args.model, args.width, vocab_size=args.vocab,
-                               max_len=args.seq_len)
-    else:
-        model = build_at_width(args.model, args.width, num_classes=10, in_channels=1,
-                               image_size=28)
+    # The LMs on KJV tokens, the image models on Fashion-MNIST's 28x28 grey images.
+    model = build_at_width(args.model, args.width, vocab_size=args.vocab, max_len=args.seq_len,
+                           num_classes=10, in_channels=1, image_size=28)
     full = count_params(model)
     if factorized:
         factorize(model, rank_ratio=PUFFERFISH_RANK_RATIO, preset="paper")
@@ -61,12 +78,12 @@ def _prepared(args: argparse.Namespace, model: nn.Module) -> nn.Module:
 
 
 def optimizer_name(model: str, seq_len: int = 64) -> str:
-    """The one optimizer every method of a workload steps with: ``adamw`` for the language
-    models (the LM recipe), ``sgd`` with momentum for the image models (the paper's), the
-    user's workload's own (``Workload.optimizer``) for theirs."""
+    """The one optimizer every method of a workload steps with: the model spec's
+    ``bench_optimizer`` (``adamw`` for our language models, the LM recipe; ``sgd`` with momentum
+    for the image models, the paper's), the user's workload's own (``Workload.optimizer``)."""
     if is_user_model(model):
         return load_workload(model, seq_len).optimizer
-    return "adamw" if model in LM_MODELS else "sgd"
+    return get_spec(model).bench_optimizer
 
 
 def make_optimizer(args: argparse.Namespace, method: str,
@@ -76,14 +93,13 @@ def make_optimizer(args: argparse.Namespace, method: str,
     :func:`~pufferfish.training.optim.build_optimizer` (AdamW: decay / no-decay groups). ``galore``
     (language models only: ``BenchConfig`` refuses it with SGD's image models) steps with GaLore's
     own AdamW, the same LR, betas, epsilon and weight decay, projected at the Pufferfish ranks."""
-    # The user's model: a name TrainConfig knows; only its optimizer settings are read here.
-    user = is_user_model(args.model)
-    name = "llama" if user else args.model
-    optimizer = optimizer_name(args.model, args.seq_len) if user else optimizer_name(args.model)
-    cfg = TrainConfig(model=name, optimizer=optimizer, lr=args.lr,
+    # Only the optimizer settings are read (the user's workload: TrainConfig's default model
+    # stands in for it).
+    model_fields = {} if is_user_model(args.model) else {
+        "model": args.model, "data": "kjv" if is_lm(args.model) else "fashion-mnist"}
+    cfg = TrainConfig(optimizer=optimizer_name(args.model, args.seq_len), lr=args.lr,
                       momentum=0.9, weight_decay=1e-4, rank_ratio=str(PUFFERFISH_RANK_RATIO),
-                      mode="galore" if method == "galore" else "full",
-                      data="kjv" if name in LM_MODELS else "fashion-mnist")
+                      mode="galore" if method == "galore" else "full", **model_fields)
     if method == "galore":
         return galore_optimizer(model, galore_ranks(model, cfg), cfg)
     return build_optimizer(cfg, [{"params": list(model.parameters()),

@@ -1,5 +1,5 @@
 """The paper's models (CIFAR ResNet-18, VGG-19-BN, the LSTM LM), a small Transformer LM and a
-LLaMA-style decoder LM.
+LLaMA-style decoder LM, each registered as a :class:`~pufferfish.models.spec.ModelSpec`.
 
 Every model class has ``PRESETS["paper"]["keep"]``: fnmatch patterns (``*`` also matches dots)
 on qualified module names from ``named_modules()`` naming the layers the paper keeps full-rank.
@@ -11,9 +11,10 @@ from typing import Any
 
 from torch import nn
 
-from .llama import Llama, llama_dims
+from .llama import LLAMA_DEFAULTS, Llama, check_llama, llama_dims
 from .lstm_lm import LSTMLanguageModel
 from .resnet import ResNet18
+from .spec import ModelSpec, get_spec, model_names, register_model
 from .transformer import TransformerLM
 from .vgg import VGG19BN
 
@@ -43,17 +44,52 @@ def llama(**kwargs: Any) -> Llama:
     return Llama(**kwargs)
 
 
-MODELS = {
-    "resnet18": resnet18,
-    "vgg19_bn": vgg19_bn,
-    "lstm": lstm_lm,
-    "transformer": transformer_lm,
-    "llama": llama,
-}
+def _image(factory: Any) -> Any:
+    """``factory`` built at a width for the data's shapes (the image models' channel multiplier)."""
+    def build(width: float, *, num_classes: int = 10, in_channels: int = 3, image_size: int = 32,
+              **_: Any) -> nn.Module:
+        return factory(num_classes=num_classes, in_channels=in_channels, width=width,
+                       image_size=image_size)
+    return build
+
+
+def _lstm(width: float, *, vocab_size: int | None = None, dropout: float = 0.0,
+          **_: Any) -> nn.Module:
+    dim = max(8, round(1500 * width))  # 1500: the paper's
+    return lstm_lm(vocab_size=vocab_size, embed_dim=dim, hidden_size=dim, dropout=dropout)
+
+
+def _transformer(width: float, *, vocab_size: int | None = None, dropout: float = 0.0,
+                 max_len: int = 512, **_: Any) -> nn.Module:
+    heads = 4
+    d_model = max(heads * 8, round(256 * width) // heads * heads)
+    return transformer_lm(vocab_size=vocab_size, d_model=d_model, nhead=heads,
+                          dim_feedforward=4 * d_model, dropout=min(dropout, 0.2), max_len=max_len)
+
+
+def _llama(width: float, *, vocab_size: int | None = None, max_len: int = 512,
+           **_: Any) -> nn.Module:
+    return llama(vocab_size=vocab_size, max_len=max_len, **llama_dims(width))
+
+
+# The built-in models' specs (the paper's recipe: SGD for the CNNs, the LSTM and the small
+# Transformer when trained; the bench steps its LMs with AdamW, the LM recipe).
+for _spec in (
+    ModelSpec("resnet18", _image(resnet18)),
+    ModelSpec("vgg19_bn", _image(vgg19_bn)),
+    ModelSpec("lstm", _lstm, task="lm-bptt", batch_first=False, bench_optimizer="adamw"),
+    ModelSpec("transformer", _transformer, task="lm-bptt", bench_optimizer="adamw"),
+    ModelSpec("llama", _llama, task="lm-packed", defaults=LLAMA_DEFAULTS, check=check_llama,
+              bench_optimizer="adamw"),
+):
+    register_model(_spec)
+
+MODELS = {"resnet18": resnet18, "vgg19_bn": vgg19_bn, "lstm": lstm_lm,
+          "transformer": transformer_lm, "llama": llama}  # the classes' factories by name
 
 
 def build_model(name: str, **kwargs: Any) -> nn.Module:
-    """Build a model by its name in :data:`MODELS`."""
+    """Build a built-in model by its name in :data:`MODELS`, from its class's own arguments."""
     try:
         factory = MODELS[name]
     except KeyError:
@@ -64,29 +100,20 @@ def build_model(name: str, **kwargs: Any) -> nn.Module:
 def build_at_width(name: str, width: float = 1.0, *, num_classes: int = 10,
                    in_channels: int = 3, image_size: int = 32, vocab_size: int | None = None,
                    dropout: float = 0.0, max_len: int = 512) -> nn.Module:
-    """Model ``name`` scaled by ``width`` for the data's shapes: the one home of the width rule.
+    """Model ``name`` (registered, or ``PATH.py:NAME``) scaled by ``width`` for the data's shapes,
+    by its spec's ``build``: the one home of the width rule.
 
     Image models take ``width`` as their channel multiplier. The LSTM LM gets embedding and hidden
     size ``round(1500 * width)`` (at least 8; 1500 is the paper's); the Transformer LM 4 heads and
     ``d_model = round(256 * width)`` rounded down to a multiple of 4 (at least 32), feed-forward
     4x, dropout at most 0.2; ``llama`` the shape of :func:`~pufferfish.models.llama.llama_dims`
-    (GaLore's LLaMA-60M at 1.0) with a RoPE table of ``max_len`` positions. Training, ``pufferfish factorize``, the baselines and the bench all
-    build their models here, so one width means one model everywhere.
+    (GaLore's LLaMA-60M at 1.0) with a RoPE table of ``max_len`` positions. Training, ``pufferfish
+    factorize``, the baselines and the bench all build their models here, so one width means one
+    model everywhere.
     """
-    if name == "lstm":
-        dim = max(8, round(1500 * width))
-        return build_model("lstm", vocab_size=vocab_size, embed_dim=dim, hidden_size=dim,
-                           dropout=dropout)
-    if name == "transformer":
-        heads = 4
-        d_model = max(heads * 8, round(256 * width) // heads * heads)
-        return build_model("transformer", vocab_size=vocab_size, d_model=d_model, nhead=heads,
-                           dim_feedforward=4 * d_model, dropout=min(dropout, 0.2),
-                           max_len=max_len)
-    if name == "llama":
-        return build_model("llama", vocab_size=vocab_size, max_len=max_len, **llama_dims(width))
-    return build_model(name, num_classes=num_classes, in_channels=in_channels, width=width,
-                       image_size=image_size)
+    return get_spec(name).build_at(width, num_classes=num_classes, in_channels=in_channels,
+                                   image_size=image_size, vocab_size=vocab_size,
+                                   dropout=dropout, max_len=max_len)
 
 
 __all__ = [
@@ -94,12 +121,16 @@ __all__ = [
     "VGG19BN",
     "LSTMLanguageModel",
     "Llama",
+    "ModelSpec",
     "ResNet18",
     "TransformerLM",
     "build_at_width",
     "build_model",
+    "get_spec",
     "llama",
     "lstm_lm",
+    "model_names",
+    "register_model",
     "resnet18",
     "transformer_lm",
     "vgg19_bn",

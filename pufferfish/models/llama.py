@@ -10,14 +10,55 @@ Face's ``LlamaForCausalLM`` (``embed_tokens``, ``layers.<i>.self_attn.q_proj`` .
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MAX_SEQ_LEN", "Llama", "llama_dims"]
+__all__ = ["LLAMA_DEFAULTS", "LLAMA_LR_MEASURED", "MAX_SEQ_LEN", "Llama", "check_llama",
+           "llama_dims", "llama_lr"]
 
 MAX_SEQ_LEN = 4096  # the longest RoPE table a model is built with (LLaMA-2's context is 4096)
+
+
+# llama's AdamW LR chosen on validation per width (20 tokens per parameter, 16,384 tokens a step,
+# seed 0; docs/benchmarks.md "Language models at a budget"): the widths the advice comes from.
+LLAMA_LR_MEASURED: dict[float, float] = {0.125: 1e-2}
+
+
+def llama_lr(width: float) -> float:
+    """The default llama LR at ``width``: the measured LR at a measured width, log-linear between
+    two measured widths, and scaled as 1/width from the nearest measured one beyond them (an
+    extrapolation: ``--help`` and the README say which widths were measured)."""
+    widths = sorted(LLAMA_LR_MEASURED)
+    if width <= widths[0] or width >= widths[-1]:
+        ref = widths[0] if width <= widths[0] else widths[-1]
+        return LLAMA_LR_MEASURED[ref] * ref / width
+    hi = next(w for w in widths if w >= width)
+    lo = widths[widths.index(hi) - 1]
+    f = math.log(width / lo) / math.log(hi / lo)
+    return math.exp((1 - f) * math.log(LLAMA_LR_MEASURED[lo]) + f * math.log(LLAMA_LR_MEASURED[hi]))
+
+
+# llama's training defaults (its ModelSpec's; applied to the keys no file or flag sets). The LM
+# recipe: AdamW with decay / no-decay groups, linear LR warm-up then cosine decay, clipping at 1;
+# and no full-rank warm-up (the factors from the initialization's SVD, as --mode lowrank): the
+# best on validation at 1, 5 and 20 tokens per parameter (docs/benchmarks.md, "Language models at
+# a budget"). A --warmup-epochs or --warmup-steps of the user's still switches later.
+LLAMA_DEFAULTS: dict[str, Any] = {
+    "optimizer": "adamw", "lr": lambda values: llama_lr(float(values.get("width", 1.0))),
+    "weight_decay": 0.1, "schedule": "cosine", "lr_warmup_epochs": 0.1, "grad_clip": 1.0,
+    "warmup_epochs": "0",
+}
+
+
+def check_llama(cfg: Any) -> None:
+    """A configuration's width and context for llama (``ValueError`` in one line)."""
+    llama_dims(cfg.width)
+    if not 1 <= cfg.seq_len <= MAX_SEQ_LEN:
+        raise ValueError(f"seq_len {cfg.seq_len} is out of range for llama: allowed 1 to "
+                         f"{MAX_SEQ_LEN} (its longest RoPE table)")
 
 
 def llama_dims(width: float) -> dict[str, int]:
@@ -110,7 +151,7 @@ class Llama(nn.Module):
         # output head and the whole first block full-rank (the paper's "first layers"). Norms are
         # no low-rank layer type. ``*`` crosses dots: ``layers.0.*`` here, ``model.layers.0.*`` in HF.
         # No full-rank warm-up by default (the trainer callbacks' default; the CLI's is in
-        # config.MODEL_DEFAULTS): low rank from the start was the best on validation at 1, 5
+        # LLAMA_DEFAULTS): low rank from the start was the best on validation at 1, 5
         # and 20 tokens per parameter (docs/benchmarks.md, "Language models at a budget").
         "paper": {"keep": ["*embed_tokens", "*lm_head", "*layers.0.*"], "warmup_epochs": 0},
     }

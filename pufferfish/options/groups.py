@@ -45,7 +45,7 @@ class ModelOptions(OptionGroup):
     """The network and its size (its name is checked against the models by the configuration)."""
 
     SECTION: ClassVar[str] = "network"
-    model: str = "resnet18"  # the network: the paper's models, or llama (the tokenizers package: the [lm] extra); `pufferfish factorize --model NAME` shows one
+    model: str = "resnet18"  # the network: the paper's models, llama (the tokenizers package: the [lm] extra), or your pufferfish.models.ModelSpec as PATH.py:NAME; `pufferfish factorize --model NAME` shows one
     width: float = 1.0  # channel multiplier (images) / size multiplier of the paper's dims (LMs)
 
     def check(self) -> None:

@@ -24,9 +24,10 @@ __all__ = ["full_rank_params", "resolve_token_budget"]
 
 
 def full_rank_params(cfg: TrainConfig, vocab_size: int) -> int:
-    """Parameters of ``cfg``'s full-rank llama (built on the meta device: no memory, no time)."""
+    """Parameters of ``cfg``'s full-rank model (a packed LM, as llama; built on the meta
+    device: no memory, no time)."""
     with torch.device("meta"):
-        model = models.build_at_width("llama", cfg.width, vocab_size=vocab_size,
+        model = models.build_at_width(cfg.model, cfg.width, vocab_size=vocab_size,
                                       max_len=cfg.seq_len)
     return sum(p.numel() for p in model.parameters())
 
@@ -36,8 +37,10 @@ def resolve_token_budget(cfg: TrainConfig, env: DistEnv) -> TrainConfig:
     it is 0); a budget beyond ``--epochs`` passes over the corpus is a ConfigError."""
     if not cfg.tokens_per_param:
         return cfg
-    if cfg.model != "llama":
-        raise ConfigError(f"tokens_per_param is for --model llama (packed BPE tokens), not "
+    if models.get_spec(cfg.model).task != "lm-packed":
+        packed = ", ".join(n for n in models.model_names()
+                           if models.get_spec(n).task == "lm-packed")
+        raise ConfigError(f"tokens_per_param is for --model {packed} (packed BPE tokens), not "
                           f"{cfg.model!r}: allowed 0 with other models, or set --epochs")
     from .packed_lm import load_corpus  # the corpus is cached: rank 0 builds it, others read
 

@@ -379,8 +379,7 @@ def _step(cfg: TrainConfig, env: DistEnv, run: Run, method: Method, task: Task,
 def _samples_per_step(cfg: TrainConfig) -> int:
     """Images or tokens one process trains on per optimizer step: ``grad_accum`` micro-batches
     of ``batch_size`` examples, each a sequence for the LMs (llama packs ``seq_len`` tokens)."""
-    tokens = (cfg.seq_len if cfg.model == "llama" else cfg.bptt) if cfg.is_lm else 1
-    return cfg.batch_size * cfg.grad_accum * tokens
+    return cfg.batch_size * cfg.grad_accum * tasks.tokens_per_sample(cfg)
 
 
 def _after_step(run: Run, steps: int) -> None:

@@ -50,7 +50,7 @@ class PackedLMTask:
                                                   world_size=env.world_size)
         self.valid, self.test = (self._shard(split) for split in (self.corpus.valid,
                                                                   self.corpus.test))
-        self.model = models.build_at_width("llama", cfg.width, vocab_size=self.corpus.vocab_size,
+        self.model = models.build_at_width(cfg.model, cfg.width, vocab_size=self.corpus.vocab_size,
                                            max_len=cfg.seq_len)
         self.start_epoch(0)
 

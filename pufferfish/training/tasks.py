@@ -30,7 +30,7 @@ from ..distributed.env import DistEnv
 from .progressbar import evaluating
 
 __all__ = ["LEGACY_RUN_VALUES", "RUN_FIELDS", "ImageTask", "LanguageTask", "Task", "build_task",
-           "resolve_short_try", "run_fields", "steps_per_epoch"]
+           "resolve_short_try", "run_fields", "steps_per_epoch", "tokens_per_sample"]
 
 # Configuration fields that define what a task computes (its data, model and batches, and the
 # micro-batches of each optimizer step): a resume with any of them changed is refused (with the
@@ -48,12 +48,18 @@ LEGACY_RUN_VALUES = {"val_subset": 0}
 
 
 def run_fields(cfg: TrainConfig) -> tuple[str, ...]:
-    """The fields a resume of ``cfg``'s task may not change: :data:`RUN_FIELDS`, for llama
-    :data:`PACKED_LM_FIELDS` and for images :data:`IMAGE_FIELDS` (the other tasks ignore them,
-    so their older runs' configs need not have them)."""
-    if cfg.model == "llama":
-        return RUN_FIELDS + PACKED_LM_FIELDS
-    return RUN_FIELDS + (() if cfg.is_lm else IMAGE_FIELDS)
+    """The fields a resume of ``cfg``'s task may not change: :data:`RUN_FIELDS`, for the packed
+    LMs :data:`PACKED_LM_FIELDS` and for images :data:`IMAGE_FIELDS` (the other tasks ignore them,
+    so their older runs' configs need not have them), and the model spec's own ``run_fields``."""
+    spec = models.get_spec(cfg.model)
+    kind = {"lm-packed": PACKED_LM_FIELDS, "image": IMAGE_FIELDS}.get(spec.task, ())
+    return RUN_FIELDS + kind + spec.run_fields
+
+
+def tokens_per_sample(cfg: TrainConfig) -> int:
+    """Tokens in one training example: ``seq_len`` for a packed LM, ``bptt`` for a BPTT LM, 1 for
+    an image (an example is the unit of the metrics' per-sample figures)."""
+    return {"lm-packed": cfg.seq_len, "lm-bptt": cfg.bptt}.get(models.get_spec(cfg.model).task, 1)
 
 
 def steps_per_epoch(cfg: TrainConfig, task: Task) -> int:
@@ -90,16 +96,19 @@ class Task(Protocol):
 
 
 def build_task(cfg: TrainConfig, env: DistEnv) -> Task:
+    """The task of ``cfg.model``'s spec kind: ``image`` -> :class:`ImageTask`, ``lm-bptt`` ->
+    :class:`LanguageTask`, ``lm-packed`` -> :class:`~.packed_lm.PackedLMTask`."""
     if cfg.download and not cfg.is_lm:
         # The images are then read where they were fetched (./data without --data-dir), not
         # from the dataset's system default, which a machine without the package lacks.
         got = str(datasets.download(cfg.data, cfg.data_dir or "data")) if env.is_main else None
         cfg = dataclasses.replace(cfg, data_dir=dist_env.broadcast_object(got, env))
-    if cfg.model == "llama":
+    kind = models.get_spec(cfg.model).task
+    if kind == "lm-packed":
         from .packed_lm import PackedLMTask
 
         return PackedLMTask(cfg, env)
-    return LanguageTask(cfg, env) if cfg.is_lm else ImageTask(cfg, env)
+    return LanguageTask(cfg, env) if kind == "lm-bptt" else ImageTask(cfg, env)
 
 
 def check_subsets(cfg: TrainConfig, n_train: int, n_test: int, unit: str, held: int = 0) -> None:
@@ -256,7 +265,7 @@ class LanguageTask:
         # A rank beyond the 10th gets no column: an empty source, so it evaluates nothing.
         columns = datasets.batchify(test, self.eval_columns)[:, env.rank::env.world_size]
         self.test_source = (columns if columns.size(1) else columns[:0]).contiguous().to(env.device)
-        self.batch_first = cfg.model == "transformer"
+        self.batch_first = models.get_spec(cfg.model).batch_first
         self.model = models.build_at_width(cfg.model, cfg.width, vocab_size=self.vocab_size,
                                            dropout=cfg.dropout, max_len=max(512, cfg.bptt))
         self.hidden: Any = None
