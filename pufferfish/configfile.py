@@ -17,7 +17,7 @@ from typing import Any, get_args, get_origin
 
 from .config import HOOK_OPTIONS, ConfigError, TrainConfig
 from .fieldhelp import field_help
-from .models import get_spec
+from .models.spec import absolute_reference, get_spec
 from .options import section_of, sections
 
 __all__ = ["FIELDS", "SHIPPED", "coerce", "coerce_scalar", "config_path", "dump_toml",
@@ -182,6 +182,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     for key, value in overrides.items():
         values[key] = coerce(key, value)
     model = values.get("model", FIELDS["model"].default)
+    if isinstance(model, str) and "model" in values:  # PATH.py:NAME: the same file from any cwd
+        values["model"] = model = absolute_reference(model)
     try:
         spec = get_spec(model)
     except ValueError as e:

@@ -138,3 +138,16 @@ def test_referenced_model_benches_in_the_workers(tmp_path: Path) -> None:
     assert [d.name for d in report.factorized] == ["fc2"]
     assert rows["pufferfish"]["params"] == report.params_after < full
     assert "Fashion-MNIST" in (out / "results.md").read_text()
+
+
+def test_a_relative_reference_is_kept_as_its_absolute_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's config.toml names the file a relative ``PATH.py:NAME`` meant when it started, so
+    a resume from another working directory finds it; names and modules stay as typed."""
+    monkeypatch.chdir(Path(__file__).parent)
+    cfg = load_config(overrides={"model": f"{Path(__file__).name}:TINY_MLP"})
+    assert cfg.model == REF
+    monkeypatch.chdir(tmp_path)
+    assert load_config(overrides={"model": cfg.model}).model == REF
+    assert load_config(overrides={"model": "resnet18"}).model == "resnet18"
+    assert spec_module.absolute_reference("my_pkg.models:SPEC") == "my_pkg.models:SPEC"

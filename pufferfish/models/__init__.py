@@ -75,25 +75,28 @@ def _llama(width: float, *, vocab_size: int | None = None, max_len: int = 512,
 # The built-in models' specs (the paper's recipe: SGD for the CNNs, the LSTM and the small
 # Transformer when trained; the bench steps its LMs with AdamW, the LM recipe).
 for _spec in (
-    ModelSpec("resnet18", _image(resnet18)),
-    ModelSpec("vgg19_bn", _image(vgg19_bn)),
-    ModelSpec("lstm", _lstm, task="lm-bptt", batch_first=False, bench_optimizer="adamw"),
-    ModelSpec("transformer", _transformer, task="lm-bptt", bench_optimizer="adamw"),
+    ModelSpec("resnet18", _image(resnet18), factory=resnet18),
+    ModelSpec("vgg19_bn", _image(vgg19_bn), factory=vgg19_bn),
+    ModelSpec("lstm", _lstm, task="lm-bptt", batch_first=False, bench_optimizer="adamw",
+              factory=lstm_lm),
+    ModelSpec("transformer", _transformer, task="lm-bptt", bench_optimizer="adamw",
+              factory=transformer_lm),
     ModelSpec("llama", _llama, task="lm-packed", defaults=LLAMA_DEFAULTS, check=check_llama,
-              bench_optimizer="adamw"),
+              bench_optimizer="adamw", factory=llama),
 ):
     register_model(_spec)
 
-MODELS = {"resnet18": resnet18, "vgg19_bn": vgg19_bn, "lstm": lstm_lm,
-          "transformer": transformer_lm, "llama": llama}  # the classes' factories by name
+# the built-in classes' own constructors by name (from their specs)
+MODELS = {name: get_spec(name).factory for name in model_names()}
 
 
 def build_model(name: str, **kwargs: Any) -> nn.Module:
-    """Build a built-in model by its name in :data:`MODELS`, from its class's own arguments."""
-    try:
-        factory = MODELS[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}: allowed {', '.join(MODELS)}") from None
+    """Build a registered model by its name from its class's own arguments (its spec's
+    ``factory``)."""
+    factory = get_spec(name).factory if name in model_names() else None
+    if factory is None:
+        allowed = [n for n in model_names() if get_spec(n).factory is not None]
+        raise ValueError(f"unknown model {name!r}: allowed {', '.join(allowed)}")
     return factory(**kwargs)
 
 

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TASK_KINDS", "ModelSpec", "get_spec", "import_reference", "model_names",
-           "register_model", "spec_of_reference"]
+__all__ = ["TASK_KINDS", "ModelSpec", "absolute_reference", "get_spec", "import_reference",
+           "model_names", "register_model", "spec_of_reference"]
 
 # image: classification on an image dataset (ImageTask); lm-bptt: a word-level LM on BPTT chunks
 # of the corpus (LanguageTask); lm-packed: a decoder LM on packed BPE sequences (PackedLMTask).
@@ -46,7 +46,8 @@ class ModelSpec:
     LR of its width). ``check(cfg)``: raises ``ValueError`` in one line for a configuration the
     model cannot train. ``run_fields``: more configuration fields a resume may not change.
     ``bench_optimizer``: what every ``pufferfish bench`` method steps it with (the bench times
-    images on Fashion-MNIST, LMs on KJV token batches, by ``task``).
+    images on Fashion-MNIST, LMs on KJV token batches, by ``task``). ``factory``: the model
+    class's own constructor, for :func:`~pufferfish.models.build_model` (None: ``build`` only).
     """
 
     name: str
@@ -58,6 +59,7 @@ class ModelSpec:
     check: Callable[[Any], None] | None = None
     run_fields: tuple[str, ...] = ()
     bench_optimizer: str = "sgd"
+    factory: Callable[..., nn.Module] | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASK_KINDS:
@@ -121,6 +123,15 @@ def get_spec(name: str) -> ModelSpec:
                          "pufferfish.models.ModelSpec (allowed PATH.py:NAME or module:NAME of one)")
     raise ValueError(f"model {name!r} is invalid: allowed {', '.join(_REGISTRY)}, or your own "
                      "ModelSpec as PATH.py:NAME or module:NAME")
+
+
+def absolute_reference(ref: str) -> str:
+    """``PATH.py:NAME`` with ``PATH`` made absolute (a run's config.toml then names the same file
+    wherever the run is resumed from); a registered name or ``module:NAME`` unchanged."""
+    where, sep, attr = ref.rpartition(":")
+    if not sep or not (where.endswith(".py") or "/" in where or "\\" in where):
+        return ref
+    return f"{Path(where).expanduser().resolve()}:{attr}"
 
 
 def spec_of_reference(ref: str) -> ModelSpec | None:
