@@ -19,11 +19,8 @@ runs to take the new points); phase ``variants`` is each candidate against the s
 method's LR chosen on validation by phase ``lr`` (for Pufferfish the method or variant with the
 best validation at 20 tokens per parameter). ``summary`` prints the tables, the LR chosen per
 method, the decision rule's verdict per budget, and plots test perplexity against tokens per
-parameter. Phase ``width`` repeats the comparison at width 0.25 (``OUT/w0.25/``), 20 tokens per
-parameter, seed 0: full rank and low rank from the start at the two ladder LRs around the best
-LR at width 0.125 scaled as 1/width (``width_lrs``), then Pufferfish with the default switch
-(10% of the steps, ``--switch-momentum auto``) at full rank's better LR, then seed 1 of full
-and low rank at their better LRs where the two land within width 0.125's largest seed spread.
+parameter. Phase ``width`` repeats the comparison at width 0.25 (``OUT/w0.25/``; its queue and
+decision rule: ``benchmarks/lm_width.py``).
 
 The decision rule, fixed before the runs: at a budget, the warm-up matters when full rank beats
 low rank from the start by more than twice the larger seed spread (max - min over 3 seeds), and
@@ -58,8 +55,8 @@ METHODS: dict[str, tuple[list[str], list[float]]] = {
                     "--switch-momentum", "project"], [3e-3, 1e-2, 1e-3]),
     "galore": (["--mode", "galore", "--galore-scale", "0.25"], [1e-2, 3e-2, 3e-3]),
 }
-# phase ``width``'s Pufferfish: the default switch (10% of the steps, the optimizer as auto
-# carries it); its LR is full rank's better one at that width
+# phase ``width``'s Pufferfish (benchmarks/lm_width.py): the default switch (10% of the steps,
+# the optimizer as auto carries it); its LR is full rank's better one at that width
 WIDE_PUFF = {"puff10auto": ["--mode", "pufferfish", "--warmup-steps", "0.10"]}
 # Pufferfish's other settings, each tried once at puff10proj's chosen LR (on validation): the
 # switch point, Adam's moments reset or projected, and candidates against the switch's cost.
@@ -184,43 +181,6 @@ def queue(out: Path, phase: str, methods: list[str],
                     lr = chosen_lr(out, m)
                     if lr is not None:
                         todo.append((budget, m, lr, seed))
-    return [t for t in todo if finished(run_dir(out, *t)) is None]
-
-
-def width_lrs(out: Path, width: float = WIDE) -> list[float]:
-    """The two ladder LRs around full rank's chosen LR at width 0.125 scaled as 1/width (the
-    scaled LR itself when it is on the ladder, with its upper neighbour)."""
-    base = chosen_lr(out, "full") or 1e-2
-    scaled = base * WIDTH / width
-    below = max(lr for lr in LADDER if lr <= scaled * 1.0001)
-    return [below, LADDER[LADDER.index(below) + 1]]
-
-
-def width_queue(out: Path, width: float = WIDE) -> list[tuple[float, str, float, int, float]]:
-    """Phase ``width``'s runs still to do, in order (see the module's docstring)."""
-    lrs = width_lrs(out, width)
-    todo = [(LR_BUDGET, m, lr, 0, width) for lr in lrs for m in ("full", "lowrank")]
-
-    def val(m: str, lr: float, seed: int = 0) -> float | None:
-        return best_val(run_dir(out, LR_BUDGET, m, lr, seed, width))
-
-    def better(m: str) -> float | None:
-        vals = {lr: val(m, lr) for lr in lrs}
-        return None if None in vals.values() else min(lrs, key=vals.__getitem__)
-
-    if (lr_full := better("full")) is not None:
-        todo.append((LR_BUDGET, "puff10auto", lr_full, 0, width))
-        lr_low = better("lowrank")
-        rows = table(out)  # width 0.125's seeds at each method's chosen LR
-        spread = max((max(v) - min(v) for m in ("full", "lowrank")
-                      if len(v := [r["test_ppl"] for r in rows if r["method"] == m and
-                                   r["budget"] == LR_BUDGET and r["lr"] == chosen_lr(out, m)]) > 1),
-                     default=0.0)
-        close = lr_low is not None and abs(
-            finished(run_dir(out, LR_BUDGET, "full", lr_full, 0, width))["test_ppl"]
-            - finished(run_dir(out, LR_BUDGET, "lowrank", lr_low, 0, width))["test_ppl"]) <= spread
-        if close:
-            todo += [(LR_BUDGET, "full", lr_full, 1, width), (LR_BUDGET, "lowrank", lr_low, 1, width)]
     return [t for t in todo if finished(run_dir(out, *t)) is None]
 
 
@@ -478,8 +438,12 @@ def main() -> int:
         print(f"lm_budget: --budgets {args.budgets!r} is invalid; allowed a subset of "
               f"{','.join(f'{b:g}' for b in BUDGETS)}", file=sys.stderr)
         return 2
-    todo = (width_queue(args.out) if args.phase == "width" else
-            queue(args.out, args.phase, methods, budgets))
+    if args.phase == "width":
+        import lm_width  # the width study builds on this module's runs
+
+        todo = lm_width.queue(args.out)
+    else:
+        todo = queue(args.out, args.phase, methods, budgets)
     for item in todo:
         if args.dry_run:
             print("would run:", run_dir(args.out, *item))

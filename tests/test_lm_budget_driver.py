@@ -216,3 +216,22 @@ def test_links_time_to_target_is_steps_to_it_times_each_phases_step(tmp_path: Pa
     rows[0]["params"] = 999  # the bench measured another model: refused, not mixed
     (bench / "results.json").write_text(json.dumps({"config": config, "rows": rows}))
     assert "not the same model" in lm_links.table(tmp_path)
+
+
+def test_llama_s_defaults_are_the_cached_study_s_choices() -> None:
+    """The default LR at each measured width is what the budget study chose there on validation,
+    and the default method (low rank from the start) is the one the width study's rule keeps; a
+    finished width run whose choice the defaults do not carry fails here until they do."""
+    import lm_width
+
+    from pufferfish.models.llama import LLAMA_DEFAULTS, LLAMA_LR_MEASURED
+
+    cache = ROOT / "benchmarks" / "results" / "lm-budget"
+    assert LLAMA_DEFAULTS["warmup_epochs"] == "0"  # low rank from the start
+    assert LLAMA_LR_MEASURED[lm_budget.WIDTH] == lm_budget.chosen_lr(cache, "lowrank")
+    found = lm_width.verdict(cache)
+    if found is None:  # the width study is still running: its width is not measured advice yet
+        assert set(LLAMA_LR_MEASURED) == {lm_budget.WIDTH}
+    else:
+        assert found["default"] == "lowrank", found["text"]
+        assert LLAMA_LR_MEASURED[lm_width.WIDE] == found["lrs"]["lowrank"], found["text"]

@@ -58,12 +58,14 @@ def test_image_study_queues_the_composition_at_powersgd_s_best_rank(tmp_path: Pa
 
 def test_lm_width_phase_runs_both_methods_at_two_lrs_then_pufferfish_at_full_rank_s_best(
         tmp_path: Path) -> None:
+    import lm_width
+
     _finish(lm_budget.run_dir(tmp_path, 20.0, "full", 1e-2, 0), val_ppl=20.0, test_ppl=20.0)
     for m in ("full", "lowrank"):  # width 0.125's other LRs, so 1e-2 is full rank's choice
         for lr in (1e-3, 3e-3, 3e-2):
             _finish(lm_budget.run_dir(tmp_path, 20.0, m, lr, 0), val_ppl=30.0, test_ppl=30.0)
-    assert lm_budget.width_lrs(tmp_path) == [3e-3, 1e-2]  # around 1e-2 x 0.125 / 0.25
-    todo = lm_budget.width_queue(tmp_path)
+    assert lm_width.lrs(tmp_path) == [3e-3, 1e-2]  # around 1e-2 x 0.125 / 0.25
+    todo = lm_width.queue(tmp_path)
     assert [(m, lr, w) for _, m, lr, _, w in todo] == [
         ("full", 3e-3, 0.25), ("lowrank", 3e-3, 0.25), ("full", 1e-2, 0.25),
         ("lowrank", 1e-2, 0.25)]
@@ -71,5 +73,22 @@ def test_lm_width_phase_runs_both_methods_at_two_lrs_then_pufferfish_at_full_ran
                        ("lowrank", 1e-2, 27.0)):
         _finish(lm_budget.run_dir(tmp_path, 20.0, m, lr, 0, 0.25), val_ppl=val, test_ppl=val)
     # Pufferfish at full rank's better LR; full and low rank 2 apart at width 0.125's spread 0
-    assert [(m, lr, s) for _, m, lr, s, _ in lm_budget.width_queue(tmp_path)] == [
+    assert [(m, lr, s) for _, m, lr, s, _ in lm_width.queue(tmp_path)] == [
         ("puff10auto", 3e-3, 0)]
+    assert lm_width.verdict(tmp_path) is None  # a run to go
+    _finish(lm_budget.run_dir(tmp_path, 20.0, "puff10auto", 3e-3, 0, 0.25), val_ppl=25.5,
+            test_ppl=25.5)
+    found = lm_width.verdict(tmp_path)  # low rank +2.00, Pufferfish +0.50, resolution 0
+    assert found["default"] == "full" and "resolution 0.00" in found["text"]
+    # Width 0.125's seeds at 1e-2 (val 20, 21.5, 22.5: spread 2.5, resolution 5): low rank's +2
+    # is within it, so seed 1 of both runs before the verdict
+    for seed, val in ((1, 21.5), (2, 22.5)):
+        _finish(lm_budget.run_dir(tmp_path, 20.0, "full", 1e-2, seed), val_ppl=val, test_ppl=val)
+    assert lm_width.resolution(tmp_path) == 5.0
+    assert [(m, lr, s) for _, m, lr, s, _ in lm_width.queue(tmp_path)] == [
+        ("full", 3e-3, 1), ("lowrank", 1e-2, 1)]
+    for m, lr, val in (("full", 3e-3, 25.0), ("lowrank", 1e-2, 28.0)):
+        _finish(lm_budget.run_dir(tmp_path, 20.0, m, lr, 1, 0.25), val_ppl=val, test_ppl=val)
+    found = lm_width.verdict(tmp_path)  # low rank's mean 27.5 against 25.0: +2.5 <= 5
+    assert found["default"] == "lowrank" and found["lrs"]["lowrank"] == 1e-2
+    assert "lowrank 27.50 (lr 0.01, 2 seeds)" in found["text"]

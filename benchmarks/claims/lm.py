@@ -177,13 +177,26 @@ def budget_claim(cache: Path) -> dict:
         "the seed spread, and Pufferfish recovers ≥ half of that gap", met,
         {m: e for m, e in per.items() if e["seeds"]},
         f"python benchmarks/lm_budget.py summary {out}", [out] if rows else [],
-        f"llama width {lm_budget.WIDTH:g} only (the width-{lm_budget.WIDE:g} study, "
-        "`lm_budget.py --phase width`, is pending); kjv+gcide; LRs and Pufferfish's setting chosen "
+        f"llama width {lm_budget.WIDTH:g} only ({_width_note(out)}); kjv+gcide; LRs and "
+        "Pufferfish's setting chosen "
         f"on validation at {at:g} tokens/param, seed 0, and reported on test; a rule on max − min "
         f"of {seeds} seeds is blind to differences under twice that spread.",
         "validation", ("LM budget study (llama ⅛, kjv+gcide)", "–", ours,
                        f"[budget study]({DOCS}#language-models-at-a-budget-does-the-warm-up-"
                        "matter-at-20-tokens-per-parameter)"))
+
+
+def _width_note(out: Path) -> str:
+    """What the width-0.25 study (benchmarks/lm_width.py) has found, or how far it is."""
+    import lm_width
+
+    if not out.is_dir():
+        return f"the width-{lm_width.WIDE:g} study not run"
+    found = lm_width.verdict(out)
+    if found is None:
+        return (f"the width-{lm_width.WIDE:g} study, `lm_budget.py run OUT --phase width`, has "
+                f"{len(lm_width.queue(out))} run(s) queued")
+    return f"the width-{lm_width.WIDE:g} study: {found['text']}"
 
 
 def _round_times(row: dict, links_rows: dict[str, dict], link: str) -> tuple[float, float] | None:

@@ -1,0 +1,125 @@
+"""The budget study at width 0.25: which llama default (method and LR) holds at a wider model?
+
+``python benchmarks/lm_budget.py run OUT --phase width`` runs this module's :func:`queue` into
+``OUT/w0.25/tpp20/`` (20 tokens per parameter, the study's recipe, ``lm_budget.BASE``): full rank
+and low rank from the start at the two ladder LRs around width 0.125's chosen LR scaled as
+1/width (:func:`lrs`), then Pufferfish with the default switch (10% of the steps,
+``--switch-momentum auto``) at full rank's better LR, then seed 1 of full and low rank where the
+two land within the resolution below.
+
+    python benchmarks/lm_width.py summary OUT
+
+The rule, fixed before the runs finished, every choice on validation: each method at its better
+LR of the two; the resolution is width 0.125's at 20 tokens per parameter, twice the larger
+max - min over its seeds of validation perplexity (full rank and low rank at their chosen LRs).
+Low rank from the start stays llama's default at width 0.25 when its validation perplexity is
+within that resolution of full rank's; otherwise Pufferfish's default switch becomes the
+default there when it is within it; otherwise neither keeps full rank's perplexity, and the cost
+is stated. The LR each method chose is the default LR's measured point at 0.25
+(``pufferfish.models.llama.LLAMA_LR_MEASURED``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lm_budget as study
+
+WIDE = study.WIDE
+PUFF = "puff10auto"
+
+
+def lrs(out: Path, width: float = WIDE) -> list[float]:
+    """The two ladder LRs around full rank's chosen LR at width 0.125 scaled as 1/width (the
+    scaled LR itself when it is on the ladder, with its upper neighbour)."""
+    base = study.chosen_lr(out, "full") or 1e-2
+    scaled = base * study.WIDTH / width
+    below = max(lr for lr in study.LADDER if lr <= scaled * 1.0001)
+    return [below, study.LADDER[study.LADDER.index(below) + 1]]
+
+
+def _val(out: Path, method: str, lr: float, seed: int = 0, width: float = WIDE) -> float | None:
+    return study.best_val(study.run_dir(out, study.LR_BUDGET, method, lr, seed, width))
+
+
+def better_lr(out: Path, method: str, width: float = WIDE) -> float | None:
+    """``method``'s LR of :func:`lrs` with the lower final validation perplexity, seed 0."""
+    vals = {lr: _val(out, method, lr, 0, width) for lr in lrs(out, width)}
+    return None if None in vals.values() else min(vals, key=vals.__getitem__)  # type: ignore
+
+
+def resolution(out: Path) -> float:
+    """Width 0.125's resolution at 20 tokens per parameter: twice the larger max - min of
+    validation perplexity over the seeds of full rank and low rank at their chosen LRs."""
+    rows = study.table(out)
+    spreads = [max(v) - min(v) for m in ("full", "lowrank")
+               if len(v := [r["val_ppl"] for r in rows if r["method"] == m and r["budget"] ==
+                            study.LR_BUDGET and r["lr"] == study.chosen_lr(out, m)]) > 1]
+    return 2 * max(spreads, default=0.0)
+
+
+def mean_val(out: Path, method: str, lr: float, width: float = WIDE) -> tuple[float, int] | None:
+    """The mean final validation perplexity over ``method``'s finished seeds, and their count."""
+    vals = [v for seed in study.SEEDS if (v := _val(out, method, lr, seed, width)) is not None]
+    return (sum(vals) / len(vals), len(vals)) if vals else None
+
+
+def queue(out: Path, width: float = WIDE) -> list[tuple[float, str, float, int, float]]:
+    """The width phase's runs still to do, in order (see the module's docstring)."""
+    todo = [(study.LR_BUDGET, m, lr, 0, width) for lr in lrs(out, width) for m in ("full", "lowrank")]
+    lr_full, lr_low = better_lr(out, "full", width), better_lr(out, "lowrank", width)
+    if lr_full is not None:
+        todo.append((study.LR_BUDGET, PUFF, lr_full, 0, width))
+    if lr_full is not None and lr_low is not None:
+        full, low = _val(out, "full", lr_full, 0, width), _val(out, "lowrank", lr_low, 0, width)
+        if abs(full - low) <= resolution(out):  # type: ignore[operator]
+            todo += [(study.LR_BUDGET, "full", lr_full, 1, width),
+                     (study.LR_BUDGET, "lowrank", lr_low, 1, width)]
+    return [t for t in todo if study.finished(study.run_dir(out, *t)) is None]
+
+
+def verdict(out: Path, width: float = WIDE) -> dict | None:
+    """The rule's answer once its runs have finished: ``{"default", "text", "lrs", "vals"}``,
+    ``default`` one of ``lowrank``, ``pufferfish`` or ``full``; None while runs are pending."""
+    if queue(out, width):
+        return None
+    chosen = {"full": better_lr(out, "full", width), "lowrank": better_lr(out, "lowrank", width)}
+    chosen[PUFF] = chosen["full"]
+    vals = {m: mean_val(out, m, lr, width) for m, lr in chosen.items()}  # type: ignore[arg-type]
+    bar, full = resolution(out), vals["full"][0]  # type: ignore[index]
+    gap = {m: v[0] - full for m, v in vals.items() if v is not None}
+    default = ("lowrank" if gap["lowrank"] <= bar else "pufferfish" if gap[PUFF] <= bar
+               else "full")
+    shown = ", ".join(f"{m} {v[0]:.2f} (lr {chosen[m]:g}, {v[1]} seed{'s' * (v[1] > 1)})"
+                      for m, v in vals.items() if v is not None)
+    text = (f"width {width:g}, 20 tokens/param, validation perplexity: {shown}; resolution "
+            f"{bar:.2f} (width {study.WIDTH:g}'s seeds): low rank from the start "
+            f"{gap['lowrank']:+.2f} and Pufferfish's 10% switch {gap[PUFF]:+.2f} against full "
+            "rank: " + {"lowrank": "low rank from the start stays the default",
+                        "pufferfish": "Pufferfish's default switch becomes the default",
+                        "full": "neither keeps full rank's perplexity"}[default])
+    return {"default": default, "text": text, "lrs": chosen, "vals": vals}
+
+
+def summary(out: Path) -> str:
+    """The width phase's runs (validation / test perplexity) and the rule's verdict."""
+    lines = ["| method | lr | seed | val ppl | test ppl |", "|---|---|---|---|---|"]
+    for path in sorted((out / f"w{WIDE:g}" / f"tpp{study.LR_BUDGET:g}").glob("*-s*")):
+        last = study.finished(path)
+        if last is not None:
+            method, lr, seed = path.name.rsplit("-", 2)
+            lines.append(f"| {method} | {lr[2:]} | {seed[1:]} | {last['val_ppl']:.2f} | "
+                         f"{last['test_ppl']:.2f} |")
+    found = verdict(out)
+    pending = len(queue(out))
+    lines += ["", found["text"] if found else f"no verdict yet: {pending} run(s) to go "
+              f"(python benchmarks/lm_budget.py run {out} --phase width)"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "summary":
+        print("usage: python benchmarks/lm_width.py summary OUT", file=sys.stderr)
+        sys.exit(2)
+    print(summary(Path(sys.argv[2])))
