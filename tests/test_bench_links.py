@@ -229,7 +229,7 @@ def test_delayed_link_without_netem_is_skipped_not_run_without_its_delay(
 
 
 def _args(model: str) -> argparse.Namespace:
-    return argparse.Namespace(model=model, lr=0.01)
+    return argparse.Namespace(model=model, lr=0.01, seq_len=64)
 
 
 def test_one_optimizer_per_workload() -> None:
@@ -272,7 +272,8 @@ dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_s
 model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
 ddp = DistributedDataParallel(model)
 state = register_comm_hook(ddp, "powersgd", matrix_approximation_rank=2, start_powerSGD_iter=2)
-optimizer = make_optimizer(argparse.Namespace(model="resnet18", lr=0.01), "powersgd", model)
+optimizer = make_optimizer(argparse.Namespace(model="resnet18", lr=0.01, seq_len=64), "powersgd",
+                           model)
 replica = Replica(model, ddp, optimizer, hook_state=state)
 batch = [(torch.randn(8, 32), torch.randint(0, 10, (8,)))]  # one micro-batch
 for _ in range(3):  # DDP re-buckets after step 1; PowerSGD compresses from step 2
