@@ -64,12 +64,16 @@ def train(run: Run) -> bool:
         code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, **threads})
     last = finished(run.path)
-    quality = ("" if last is None else f" val {last['val_ppl']:.2f} test {last['test_ppl']:.2f}"
-               if "test_ppl" in last else f" val {last.get('val_acc', float('nan')):.4f} "
-               f"test {last['test_acc']:.4f}")
-    print(f"{'done' if last else 'FAILED'}: {run.path}" + (quality if last else
-          f" (exit {code}, see {run.path}.log)"), flush=True)
+    print(f"done: {run.path}{_quality(last)}" if last else
+          f"FAILED: {run.path} (exit {code}, see {run.path}.log)", flush=True)
     return last is not None
+
+
+def _quality(last: dict) -> str:
+    """A finished run's validation and test figures (nan where it had no validation split)."""
+    kind, digits = ("ppl", 2) if "test_ppl" in last else ("acc", 4)
+    return f" val {last.get(f'val_{kind}', float('nan')):.{digits}f} " \
+           f"test {last[f'test_{kind}']:.{digits}f}"
 
 
 def run_all(runs: Iterable[Run], dry_run: bool = False) -> list[Run]:

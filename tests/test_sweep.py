@@ -40,6 +40,7 @@ def test_a_run_is_finished_by_its_test_metric_and_resumed_from_its_checkpoint(
     _finish(tmp_path / "b", test_acc=0.9)
     _finish(tmp_path / "c", test_ppl=20.0)
     assert sweep.finished(tmp_path / "b")["test_acc"] == 0.9
+    assert sweep._quality({"test_ppl": 20.0}) == " val nan test 20.00"  # no validation split
     assert [r.path for r in sweep.run_all([sweep.Run(tmp_path / n) for n in "bcd"],
                                           dry_run=True)] == [tmp_path / "d"]
 
