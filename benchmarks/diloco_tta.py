@@ -1,4 +1,4 @@
-"""Time to a target test loss over slow links, from the runs of ``benchmarks/diloco.sh``.
+"""Time to a target test loss over slow links, from the runs of ``benchmarks/sweeps.py diloco``.
 
 Usage: ``python benchmarks/diloco_tta.py RUNS_DIR [--target LOSS] [--links 1e9,1e8,1e7]
 [--compute-like RUN=REF,...] [--interpolate]``

@@ -24,7 +24,7 @@ FOLDERS: dict[str, str] = {
     "demo": "demo-peers-2026-12-05",
     # benchmarks/lm_budget.py's study (and lm_links.py's runs under links/)
     "lm-budget": "lm-budget",
-    # benchmarks/diloco.sh on llama ¼, one epoch: DiLoCo at H = 10 and 30, seeds 0 and 1
+    # `benchmarks/sweeps.py diloco` on llama ¼, one epoch: DiLoCo at H = 10 and 30, seeds 0 and 1
     "diloco-h10-s0": "diloco-llama-w0.25-kjv-e1",
     "diloco-h10-s1": "diloco-llama-w0.25-kjv-e1-s1",
     "diloco-h30-s0": "diloco-llama-w0.25-kjv-e1-h30",

@@ -175,7 +175,7 @@ def parity(found: dict[str, dict[str, dict[int, Path]]], out: Path) -> Section:
                     "`--warmup-epochs auto`; a mean is over the seeds that have the variant.", "",
                     *section.ours]
     if not section.sources:
-        section.missing.append("benchmarks/accuracy.sh ...  # full and puff runs, see docs")
+        section.missing.append("python benchmarks/sweeps.py accuracy CONFIG OUT ...  # full and puff runs, see docs")
     return section
 
 

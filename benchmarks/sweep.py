@@ -27,7 +27,7 @@ __all__ = ["Run", "finished", "parser", "run_all", "train"]
 @dataclass(frozen=True)
 class Run:
     """One ``pufferfish train`` run: its directory, its flags (no ``--out``/``--resume``), and
-    its number of processes (2: under torchrun, one thread each)."""
+    its number of processes (2: under torchrun, one thread each; 1: one process, every core)."""
 
     path: Path
     flags: tuple[str, ...] = field(default_factory=tuple)
@@ -44,7 +44,8 @@ def finished(path: Path) -> dict | None:
 
 
 def command(run: Run) -> list[str]:
-    """The run's command line, resuming from its newest checkpoint if it has one."""
+    """The run's command line, resuming from its newest checkpoint if it has one (2 processes or
+    more: under torchrun)."""
     resume = (["--resume", "auto"] if latest_checkpoint(run.path) is not None else
               ["--overwrite"] if run.path.is_dir() else [])
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -56,27 +57,32 @@ def train(run: Run) -> bool:
     """Train ``run`` (resumed where it stopped); True when it finished. One line says how."""
     run.path.parent.mkdir(parents=True, exist_ok=True)
     cmd = command(run)
+    threads = {"OMP_NUM_THREADS": "1"} if run.nproc > 1 else {}  # one process: every core
     with open(f"{run.path}.log", "a") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
         code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               env={**os.environ, **threads})
     last = finished(run.path)
-    quality = ("" if last is None else f" val {last['val_ppl']:.2f} test {last['test_ppl']:.2f}"
-               if "test_ppl" in last else f" val {last.get('val_acc', float('nan')):.4f} "
-               f"test {last['test_acc']:.4f}")
-    print(f"{'done' if last else 'FAILED'}: {run.path}" + (quality if last else
-          f" (exit {code}, see {run.path}.log)"), flush=True)
+    print(f"done: {run.path}{_quality(last)}" if last else
+          f"FAILED: {run.path} (exit {code}, see {run.path}.log)", flush=True)
     return last is not None
 
 
+def _quality(last: dict) -> str:
+    """A finished run's validation and test figures (nan where it had no validation split)."""
+    kind, digits = ("ppl", 2) if "test_ppl" in last else ("acc", 4)
+    return f" val {last.get(f'val_{kind}', float('nan')):.{digits}f} " \
+           f"test {last[f'test_{kind}']:.{digits}f}"
+
+
 def run_all(runs: Iterable[Run], dry_run: bool = False) -> list[Run]:
-    """Train every run of ``runs`` not finished yet, in order (``dry_run``: list them); returns
-    the runs that were pending."""
+    """Train every run of ``runs`` not finished yet, in order (``dry_run``: list them, each with
+    its command line); returns the runs that were pending."""
     pending = [r for r in runs if finished(r.path) is None]
     for run in pending:
         if dry_run:
-            print("would run:", run.path)
+            print(f"would run: {run.path}: {' '.join(command(run))}")
         else:
             train(run)
     return pending

@@ -7,7 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+from helpers import DDP_ROWS, PUFF_ROWS, write_train_run
 
 from pufferfish.training.checkpoint import save_checkpoint
 
@@ -16,6 +18,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import image_ranks  # noqa: E402
 import lm_budget  # noqa: E402
 import sweep  # noqa: E402
+import sweeps  # noqa: E402
 
 
 def _finish(path: Path, **row: float) -> None:
@@ -37,6 +40,7 @@ def test_a_run_is_finished_by_its_test_metric_and_resumed_from_its_checkpoint(
     _finish(tmp_path / "b", test_acc=0.9)
     _finish(tmp_path / "c", test_ppl=20.0)
     assert sweep.finished(tmp_path / "b")["test_acc"] == 0.9
+    assert sweep._quality({"test_ppl": 20.0}) == " val nan test 20.00"  # no validation split
     assert [r.path for r in sweep.run_all([sweep.Run(tmp_path / n) for n in "bcd"],
                                           dry_run=True)] == [tmp_path / "d"]
 
@@ -92,3 +96,82 @@ def test_lm_width_phase_runs_both_methods_at_two_lrs_then_pufferfish_at_full_ran
     found = lm_width.verdict(tmp_path)  # low rank's mean 27.5 against 25.0: +2.5 <= 5
     assert found["default"] == "lowrank" and found["lrs"]["lowrank"] == 1e-2
     assert "lowrank 27.50 (lr 0.01, 2 seeds)" in found["text"]
+
+
+def _dry_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[tuple[str, str]]:
+    """``sweeps.py``'s dry run: (run name, its command line from ``train`` on) per queued run."""
+    assert sweeps.main([argv[0], "--dry-run", *argv[1:]]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert all(line.startswith("would run: ") for line in lines)
+    rows = [line.removeprefix("would run: ").split(": ", 1) for line in lines]
+    return [(Path(path).name, cmd[cmd.index(" train ") + 1:]) for path, cmd in rows]
+
+
+def test_grid_queues_the_shell_grid_s_runs_in_one_process(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "grid"
+    runs = _dry_run(["grid", "configs/lstm_kjv.toml", str(out), "--warmups", "1,4",
+                     "--ratios", "0.25", "--epochs", "2", "--seed", "1"], capsys)
+    base = "train --config configs/lstm_kjv.toml --no-progress --epochs 2 --seed 1"
+    puff = "--mode pufferfish --warmup-epochs"
+    assert runs == [  # grid.sh's runs: full, each w x r, auto; the extra flags before the mode
+        ("full", f"{base} --mode full --out {out}/full"),
+        ("w1-r0.25", f"{base} {puff} 1 --rank-ratio 0.25 --out {out}/w1-r0.25"),
+        ("w4-r0.25", f"{base} {puff} 4 --rank-ratio 0.25 --out {out}/w4-r0.25"),
+        ("auto", f"{base} {puff} auto --rank-ratio auto --keep auto --out {out}/auto")]
+    assert {r.nproc for r in sweeps.grid("c", out, ["1"], ["0.5"])} == {1}
+    assert "torch.distributed.run" not in sweep.command(sweeps.grid("c", out, ["1"], ["0.5"])[0])
+    _finish(out / "full", test_ppl=50.0)  # the cache: a finished run is not queued again
+    assert [name for name, _ in _dry_run(["grid", "c", str(out)], capsys)][:2] == [
+        "w1-r0.125", "w1-r0.25"]
+
+
+def test_llama_lr_queues_seed_lr_method_runs_on_two_processes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = _dry_run(["llama-lr", str(tmp_path), "--lrs", "0.001,0.003", "--methods",
+                     "full,pufferfish", "--seeds", "0,1", "--", "--epochs", "1"], capsys)
+    assert [name for name, _ in runs] == [
+        f"{m}-lr{lr}-s{s}" for s in (0, 1) for lr in ("0.001", "0.003")
+        for m in ("full", "pufferfish")]
+    llama = ("--model llama --data kjv --width 0.25 --seq-len 128 --vocab-size 4096 "
+             "--batch-size 8 --eval-every-steps 100 --bucket-mb torch --epochs 1")
+    assert runs[3][1] == (f"train {llama} --mode pufferfish --warmup-steps 0.25 --lr 0.003 "
+                          f"--seed 0 --threads 1 --no-progress --out {tmp_path}/pufferfish-lr0.003-s0")
+    queued = sweeps.llama_lr(tmp_path, ["0.001"], ["galore"], ["0"])
+    assert [r.nproc for r in queued] == [2] and "--nproc-per-node" in sweep.command(queued[0])
+
+
+def test_diloco_queues_one_run_per_method_with_h_on_diloco_s_only(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = dict(_dry_run(["diloco", str(tmp_path), "--h", "30", "--config",
+                          "configs/transformer_kjv.toml"], capsys))
+    assert list(runs) == list(sweeps.DILOCO_METHODS)  # diloco.sh's default METHODS
+    tail = "--threads 1 --no-progress --out"
+    flags = {m: cmd.removeprefix("train --config configs/transformer_kjv.toml ").split(f" {tail}")[0]
+             for m, cmd in runs.items()}
+    assert flags == {
+        "ddp": "--mode full", "powersgd": "--mode full --comm powersgd",
+        "pufferfish": "--mode pufferfish", "diloco": "--mode full --sync diloco --inner-steps 30",
+        "pufferfish+diloco": "--mode pufferfish --sync diloco --inner-steps 30",
+        "pufferfish+diloco-project": "--mode pufferfish --sync diloco --inner-steps 30 "
+                                     "--outer-switch-momentum project"}
+    assert {r.nproc for r in sweeps.diloco(tmp_path, ["ddp"], "10")} == {2}
+
+
+def test_accuracy_queues_one_run_per_mode_reports_them_and_refuses_an_unknown_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = _dry_run(["accuracy", "configs/resnet18_fashion.toml", str(tmp_path), "--modes",
+                     "full,lowrank", "--train-subset", "8000"], capsys)
+    assert runs == [(m, f"train --config configs/resnet18_fashion.toml --mode {m} --no-progress "
+                        f"--train-subset 8000 --out {tmp_path}/{m}") for m in ("full", "lowrank")]
+    assert {r.nproc for r in sweeps.accuracy("c", tmp_path, ["full"])} == {2}
+    with pytest.raises(SystemExit) as bad:
+        sweeps.main(["accuracy", "c", str(tmp_path), "--modes", "full,galore"])
+    assert bad.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "galore" in err and "full, pufferfish, lowrank" in err
+    for mode, rows in (("full", DDP_ROWS), ("lowrank", PUFF_ROWS)):  # finished: the report only
+        write_train_run(tmp_path / mode, [{**r, "params": 1000, "macs": 10} for r in rows], mode=mode)
+    assert sweeps.main(["accuracy", "c", str(tmp_path), "--modes", "full,lowrank"]) == 0
+    assert "lowrank" in (tmp_path / "report.md").read_text()
+    assert not list(tmp_path.glob("*.log"))
