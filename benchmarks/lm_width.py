@@ -9,14 +9,15 @@ two land within the resolution below.
 
     python benchmarks/lm_width.py summary OUT
 
-The rule, fixed before the runs finished, every choice on validation: each method at its better
-LR of the two; the resolution is width 0.125's at 20 tokens per parameter, twice the larger
-max - min over its seeds of validation perplexity (full rank and low rank at their chosen LRs).
-Low rank from the start stays llama's default at width 0.25 when its validation perplexity is
-within that resolution of full rank's; otherwise Pufferfish's default switch becomes the
-default there when it is within it; otherwise neither keeps full rank's perplexity, and the cost
-is stated. The LR each method chose is the default LR's measured point at 0.25
-(``pufferfish.models.llama.LLAMA_LR_MEASURED``).
+The rule, fixed before the runs finished, every choice on validation (as at width 0.125, where
+low rank from the start had the best mean validation perplexity): each method at its better LR of
+the two; llama's default at width 0.25 is whichever of low rank from the start and Pufferfish's
+default switch has the lower mean validation perplexity over its seeds. How sure that is: width
+0.125's resolution at 20 tokens per parameter, twice the larger relative max - min of validation
+perplexity over its seeds ((max - min) / mean, full rank and low rank at their chosen LRs;
+relative, since perplexity roughly halves from width 0.125 to 0.25); each method's distance to
+full rank, and the two candidates' distance, are stated against it. The chosen method's LR is the
+default LR's measured point at 0.25 (``pufferfish.models.llama.LLAMA_LR_MEASURED``).
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ def better_lr(out: Path, method: str, width: float = WIDE) -> float | None:
 
 
 def resolution(out: Path) -> float:
-    """Width 0.125's resolution at 20 tokens per parameter: twice the larger max - min of
-    validation perplexity over the seeds of full rank and low rank at their chosen LRs."""
+    """Width 0.125's resolution at 20 tokens per parameter, a fraction: twice the larger
+    (max - min) / mean of validation perplexity over the seeds of full rank and low rank at their
+    chosen LRs."""
     rows = study.table(out)
-    spreads = [max(v) - min(v) for m in ("full", "lowrank")
+    spreads = [(max(v) - min(v)) * len(v) / sum(v) for m in ("full", "lowrank")
                if len(v := [r["val_ppl"] for r in rows if r["method"] == m and r["budget"] ==
                             study.LR_BUDGET and r["lr"] == study.chosen_lr(out, m)]) > 1]
     return 2 * max(spreads, default=0.0)
@@ -73,7 +75,7 @@ def queue(out: Path, width: float = WIDE) -> list[tuple[float, str, float, int, 
         todo.append((study.LR_BUDGET, PUFF, lr_full, 0, width))
     if lr_full is not None and lr_low is not None:
         full, low = _val(out, "full", lr_full, 0, width), _val(out, "lowrank", lr_low, 0, width)
-        if abs(full - low) <= resolution(out):  # type: ignore[operator]
+        if abs(full - low) <= resolution(out) * full:  # type: ignore[operator]
             todo += [(study.LR_BUDGET, "full", lr_full, 1, width),
                      (study.LR_BUDGET, "lowrank", lr_low, 1, width)]
     return [t for t in todo if study.finished(study.run_dir(out, *t)) is None]
@@ -81,25 +83,28 @@ def queue(out: Path, width: float = WIDE) -> list[tuple[float, str, float, int, 
 
 def verdict(out: Path, width: float = WIDE) -> dict | None:
     """The rule's answer once its runs have finished: ``{"default", "text", "lrs", "vals"}``,
-    ``default`` one of ``lowrank``, ``pufferfish`` or ``full``; None while runs are pending."""
+    ``default`` ``lowrank`` or ``pufferfish`` (:data:`PUFF`); None while runs are pending."""
     if queue(out, width):
         return None
     chosen = {"full": better_lr(out, "full", width), "lowrank": better_lr(out, "lowrank", width)}
     chosen[PUFF] = chosen["full"]
     vals = {m: mean_val(out, m, lr, width) for m, lr in chosen.items()}  # type: ignore[arg-type]
     bar, full = resolution(out), vals["full"][0]  # type: ignore[index]
-    gap = {m: v[0] - full for m, v in vals.items() if v is not None}
-    default = ("lowrank" if gap["lowrank"] <= bar else "pufferfish" if gap[PUFF] <= bar
-               else "full")
+    gap = {m: v[0] / full - 1 for m, v in vals.items() if v is not None}
+    best = min(("lowrank", PUFF), key=gap.__getitem__)
+    apart = abs(gap["lowrank"] - gap[PUFF]) > bar
     shown = ", ".join(f"{m} {v[0]:.2f} (lr {chosen[m]:g}, {v[1]} seed{'s' * (v[1] > 1)})"
                       for m, v in vals.items() if v is not None)
-    text = (f"width {width:g}, 20 tokens/param, validation perplexity: {shown}; resolution "
-            f"{bar:.2f} (width {study.WIDTH:g}'s seeds): low rank from the start "
-            f"{gap['lowrank']:+.2f} and Pufferfish's 10% switch {gap[PUFF]:+.2f} against full "
-            "rank: " + {"lowrank": "low rank from the start stays the default",
-                        "pufferfish": "Pufferfish's default switch becomes the default",
-                        "full": "neither keeps full rank's perplexity"}[default])
-    return {"default": default, "text": text, "lrs": chosen, "vals": vals}
+    name = {"lowrank": "low rank from the start", PUFF: "Pufferfish's default switch"}
+    text = (f"width {width:g}, 20 tokens/param, validation perplexity: {shown}; against full "
+            f"rank, low rank from the start {gap['lowrank']:+.1%}, Pufferfish's 10% switch "
+            f"{gap[PUFF]:+.1%} (resolution {bar:.1%}, width {study.WIDTH:g}'s seeds): "
+            f"{name[best]} is the default at this width"
+            + ("" if apart else ", a point estimate within the resolution")
+            + ("" if gap[best] <= bar else f"; it costs {gap[best]:.1%} against full rank, "
+               "beyond the resolution"))
+    return {"default": "lowrank" if best == "lowrank" else "pufferfish", "text": text,
+            "lrs": chosen, "vals": vals}
 
 
 def summary(out: Path) -> str:

@@ -220,8 +220,8 @@ def test_links_time_to_target_is_steps_to_it_times_each_phases_step(tmp_path: Pa
 
 def test_llama_s_defaults_are_the_cached_study_s_choices() -> None:
     """The default LR at each measured width is what the budget study chose there on validation,
-    and the default method (low rank from the start) is the one the width study's rule keeps; a
-    finished width run whose choice the defaults do not carry fails here until they do."""
+    and the default method (low rank from the start) is the one the width study's rule chooses;
+    a finished width study whose choice the defaults do not carry fails here until they do."""
     import lm_width
 
     from pufferfish.models.llama import LLAMA_DEFAULTS, LLAMA_LR_MEASURED

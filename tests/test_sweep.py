@@ -82,20 +82,24 @@ def test_lm_width_phase_runs_both_methods_at_two_lrs_then_pufferfish_at_full_ran
     assert lm_width.verdict(tmp_path) is None  # a run to go
     _finish(lm_budget.run_dir(tmp_path, 20.0, "puff10auto", 3e-3, 0, 0.25), val_ppl=25.5,
             test_ppl=25.5)
-    found = lm_width.verdict(tmp_path)  # low rank +2.00, Pufferfish +0.50, resolution 0
-    assert found["default"] == "full" and "resolution 0.00" in found["text"]
-    # Width 0.125's seeds at 1e-2 (val 20, 21.5, 22.5: spread 2.5, resolution 5): low rank's +2
-    # is within it, so seed 1 of both runs before the verdict
+    found = lm_width.verdict(tmp_path)  # low rank +8%, Pufferfish +2%, resolution 0
+    assert found["default"] == "pufferfish" and "resolution 0.0%" in found["text"]
+    assert "it costs 2.0% against full rank, beyond the resolution" in found["text"]
+    # Width 0.125's seeds at 1e-2 (val 20, 21.5, 22.5: spread 2.5 of mean 21.33, resolution
+    # 23.4%): low rank's +8% is within it, so seed 1 of both runs before the verdict
     for seed, val in ((1, 21.5), (2, 22.5)):
         _finish(lm_budget.run_dir(tmp_path, 20.0, "full", 1e-2, seed), val_ppl=val, test_ppl=val)
-    assert lm_width.resolution(tmp_path) == 5.0
+    assert lm_width.resolution(tmp_path) == pytest.approx(2 * 2.5 / (64 / 3))
     assert [(m, lr, s) for _, m, lr, s, _ in lm_width.queue(tmp_path)] == [
         ("full", 3e-3, 1), ("lowrank", 1e-2, 1)]
     for m, lr, val in (("full", 3e-3, 25.0), ("lowrank", 1e-2, 28.0)):
         _finish(lm_budget.run_dir(tmp_path, 20.0, m, lr, 1, 0.25), val_ppl=val, test_ppl=val)
-    found = lm_width.verdict(tmp_path)  # low rank's mean 27.5 against 25.0: +2.5 <= 5
-    assert found["default"] == "lowrank" and found["lrs"]["lowrank"] == 1e-2
+    found = lm_width.verdict(tmp_path)  # low rank's mean 27.5 against 25.0: +10% <= 23.4%
+    # low rank +10%, Pufferfish +2% (one seed): Pufferfish, within the resolution of each other
+    assert found["default"] == "pufferfish" and found["lrs"]["lowrank"] == 1e-2
     assert "lowrank 27.50 (lr 0.01, 2 seeds)" in found["text"]
+    assert "a point estimate within the resolution" in found["text"]
+    assert "costs" not in found["text"]
 
 
 def _dry_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[tuple[str, str]]:
