@@ -107,15 +107,22 @@ def verdict(out: Path, width: float = WIDE) -> dict | None:
             "lrs": chosen, "vals": vals}
 
 
+def finished_runs(out: Path, width: float = WIDE) -> list[tuple[str, float, int, dict]]:
+    """(method, lr, seed, last metrics row) of every finished run at ``width``."""
+    found = []
+    for path in sorted((out / f"w{width:g}" / f"tpp{study.LR_BUDGET:g}").glob("*-s*")):
+        last = study.finished(path) if path.is_dir() else None
+        if last is not None:
+            method, lr, seed = path.name.rsplit("-", 2)
+            found.append((method, float(lr[2:]), int(seed[1:]), last))
+    return found
+
+
 def summary(out: Path) -> str:
     """The width phase's runs (validation / test perplexity) and the rule's verdict."""
     lines = ["| method | lr | seed | val ppl | test ppl |", "|---|---|---|---|---|"]
-    for path in sorted((out / f"w{WIDE:g}" / f"tpp{study.LR_BUDGET:g}").glob("*-s*")):
-        last = study.finished(path)
-        if last is not None:
-            method, lr, seed = path.name.rsplit("-", 2)
-            lines.append(f"| {method} | {lr[2:]} | {seed[1:]} | {last['val_ppl']:.2f} | "
-                         f"{last['test_ppl']:.2f} |")
+    lines += [f"| {m} | {lr:g} | {seed} | {last['val_ppl']:.2f} | {last['test_ppl']:.2f} |"
+              for m, lr, seed, last in finished_runs(out)]
     found = verdict(out)
     pending = len(queue(out))
     lines += ["", found["text"] if found else f"no verdict yet: {pending} run(s) to go "

@@ -194,8 +194,10 @@ def _width_note(out: Path) -> str:
         return f"the width-{lm_width.WIDE:g} study not run"
     found = lm_width.verdict(out)
     if found is None:
+        done = "; ".join(f"{m} at lr {lr:g}, seed {seed}: val ppl {last['val_ppl']:.2f}"
+                         for m, lr, seed, last in lm_width.finished_runs(out))
         return (f"the width-{lm_width.WIDE:g} study, `lm_budget.py run OUT --phase width`, has "
-                f"{len(lm_width.queue(out))} run(s) queued")
+                f"{len(lm_width.queue(out))} run(s) queued" + (f"; so far {done}" if done else ""))
     return f"the width-{lm_width.WIDE:g} study: {found['text']}"
 
 
