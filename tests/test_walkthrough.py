@@ -56,7 +56,7 @@ def test_report_of_an_lm_beside_an_image_run(tmp_path: Path,
 
 def test_a_failing_report_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    from pufferfish.training import report
+    from pufferfish import report
 
     run = _run(tmp_path / "a", [{"test_acc": 0.8}])
 
