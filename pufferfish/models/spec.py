@@ -159,8 +159,8 @@ def import_reference(ref: str, where: str) -> Any:
     path = Path(where).expanduser()
     if not path.is_file():
         raise ValueError(f"--model {ref!r}: no file {str(path)!r} (allowed an existing "
-                         "PATH.py:NAME, or package.module:NAME; the example "
-                         "examples/bench_my_model.py is in the repository, not the wheel)")
+                         "PATH.py:NAME, or package.module:NAME; the examples/ folder of "
+                         "the repository is not in the wheel)")
     name = f"_pufferfish_workload_{abs(hash(str(path.resolve())))}"
     if name in sys.modules:
         return sys.modules[name]
