@@ -441,14 +441,19 @@ def main() -> int:
     if args.phase == "width":
         import lm_width  # the width study builds on this module's runs
 
-        todo = lm_width.queue(args.out)
+        def pending() -> list:
+            return lm_width.queue(args.out)
     else:
-        todo = queue(args.out, args.phase, methods, budgets)
-    for item in todo:
-        if args.dry_run:
+        def pending() -> list:
+            return queue(args.out, args.phase, methods, budgets)
+    if args.dry_run:
+        for item in pending():
             print("would run:", run_dir(args.out, *item))
-            continue
-        launch(args.out, *item)
+        return 0
+    tried: set = set()  # a finished run may queue the next (a choice made on it): ask again
+    while todo := [item for item in pending() if item not in tried]:
+        tried.add(todo[0])
+        launch(args.out, *todo[0])
     return 0
 
 

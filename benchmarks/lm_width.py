@@ -1,6 +1,6 @@
 """The budget study at width 0.25: which llama default (method and LR) holds at a wider model?
 
-``python benchmarks/lm_budget.py run OUT --phase width`` runs this module's :func:`queue` into
+``python benchmarks/lm_budget.py run OUT --phase width`` runs this module's :func:`queue`, asked again after each run, into
 ``OUT/w0.25/tpp20/`` (20 tokens per parameter, the study's recipe, ``lm_budget.BASE``): full rank
 and low rank from the start at the two ladder LRs around width 0.125's chosen LR scaled as
 1/width (:func:`lrs`), then Pufferfish with the default switch (10% of the steps,

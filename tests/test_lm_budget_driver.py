@@ -57,6 +57,28 @@ def test_seeds_phase_runs_the_variant_best_on_validation(tmp_path: Path) -> None
                                                  for s in (0, 1, 2)} - {(20.0, 0)}
 
 
+def test_one_call_runs_the_runs_its_finished_runs_queue(tmp_path: Path, monkeypatch) -> None:
+    """The width phase's Pufferfish run waits on full rank's LR choice: one ``run`` call trains
+    it once the runs it depends on have finished; a run that fails is tried once, not forever."""
+    import lm_width
+
+    launched: list[tuple[str, float]] = []
+
+    def launch(out: Path, budget: float, method: str, lr: float, seed: int, width: float) -> bool:
+        launched.append((method, lr))
+        if method == "lowrank" and lr == 1e-2:
+            return False  # fails: leaves no finished run behind
+        val = {"full": 10.0, "lowrank": 12.0}.get(method, 11.0) * (1 + (lr == 1e-2))
+        _finish_at(lm_budget.run_dir(out, budget, method, lr, seed, width), val)
+        return True
+
+    monkeypatch.setattr(lm_budget, "launch", launch)
+    monkeypatch.setattr(sys, "argv", ["lm_budget.py", "run", str(tmp_path), "--phase", "width"])
+    assert lm_budget.main() == 0
+    assert launched == [("full", 3e-3), ("lowrank", 3e-3), ("full", 1e-2), ("lowrank", 1e-2),
+                        (lm_width.PUFF, 3e-3)]
+
+
 @pytest.mark.parametrize("bad", ["full,nope"])
 def test_unknown_method_is_refused_in_one_line(tmp_path: Path, bad: str) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks/lm_budget.py"), "run",
