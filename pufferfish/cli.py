@@ -201,7 +201,8 @@ def _parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model (one process, or under torchrun: DDP)",
                            description="Every option is also a key of the --config TOML file; "
-                                       "flags override the file.")
+                                       "flags override the file.",
+                           epilog=_model_defaults_epilog())
     train.add_argument("--config", help=CONFIG_HELP)
     train.add_argument("--debug", action="store_true", help="show tracebacks")
     _config_flags(train, skip=())
@@ -326,6 +327,13 @@ class _HelpFormatter(argparse.HelpFormatter):
         shown = "none" if shown is None else repr(shown) if shown == "" else \
             str(shown).replace("%", "%%")
         return f"{text} (default: {shown})"
+
+
+def _model_defaults_epilog() -> str:
+    """Each model's defaults and where they come from (a model spec's ``defaults_note``)."""
+    notes = [spec.defaults_note for name in models.model_names()
+             if (spec := models.get_spec(name)).defaults_note]
+    return "model defaults (where no file or flag sets them): " + " ".join(notes) if notes else ""
 
 
 class _ExamplesFormatter(_HelpFormatter, argparse.RawDescriptionHelpFormatter):

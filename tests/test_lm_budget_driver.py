@@ -241,19 +241,20 @@ def test_links_time_to_target_is_steps_to_it_times_each_phases_step(tmp_path: Pa
 
 
 def test_llama_s_defaults_are_the_cached_study_s_choices() -> None:
-    """The default LR at each measured width is what the budget study chose there on validation,
-    and the default method (low rank from the start) is the one the width study's rule chooses;
-    a finished width study whose choice the defaults do not carry fails here until they do."""
+    """The default LR and method at each measured width are what the budget study chose there on
+    validation (width 0.125: low rank from the start and its LR); a finished width study whose
+    choice the defaults do not carry fails here until they do."""
     import lm_width
 
-    from pufferfish.models.llama import LLAMA_DEFAULTS, LLAMA_LR_MEASURED
+    from pufferfish.models.llama import LLAMA_LR_MEASURED, LLAMA_METHOD_MEASURED
 
     cache = ROOT / "benchmarks" / "results" / "lm-budget"
-    assert LLAMA_DEFAULTS["warmup_epochs"] == "0"  # low rank from the start
+    assert LLAMA_METHOD_MEASURED[lm_budget.WIDTH] == "lowrank"
     assert LLAMA_LR_MEASURED[lm_budget.WIDTH] == lm_budget.chosen_lr(cache, "lowrank")
     found = lm_width.verdict(cache)
     if found is None:  # the width study is still running: its width is not measured advice yet
-        assert set(LLAMA_LR_MEASURED) == {lm_budget.WIDTH}
+        assert set(LLAMA_LR_MEASURED) == set(LLAMA_METHOD_MEASURED) == {lm_budget.WIDTH}
     else:
-        assert found["default"] == "lowrank", found["text"]
-        assert LLAMA_LR_MEASURED[lm_width.WIDE] == found["lrs"]["lowrank"], found["text"]
+        chosen = "lowrank" if found["default"] == "lowrank" else lm_width.PUFF
+        assert LLAMA_METHOD_MEASURED[lm_width.WIDE] == found["default"], found["text"]
+        assert LLAMA_LR_MEASURED[lm_width.WIDE] == found["lrs"][chosen], found["text"]

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,13 @@ from pufferfish.config import TrainConfig
 from pufferfish.configfile import load_config
 from pufferfish.models import build_at_width, get_spec
 from pufferfish.models import spec as spec_module
-from pufferfish.models.llama import LLAMA_LR_MEASURED, llama_lr
+from pufferfish.models.llama import (
+    LLAMA_LR_MEASURED,
+    LLAMA_METHOD_MEASURED,
+    LLAMA_METHODS,
+    llama_lr,
+    llama_method,
+)
 from pufferfish.switch import projected_state
 from pufferfish.training.checkpoint import latest_checkpoint
 from pufferfish.training.optim import build_optimizer
@@ -73,23 +81,55 @@ def test_optimizer_defaults_by_model(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_llama_lr_default_is_the_measured_one_and_scales_as_one_over_width_elsewhere() -> None:
-    # width 0.125: the LR chosen on validation by the budget study; elsewhere 1/width from it
+    # at a measured width: the LR chosen on validation by the budget study; beyond: 1/width
     for width, lr in LLAMA_LR_MEASURED.items():
         assert load_config(overrides={"model": "llama", "width": width}).lr == lr
-    assert load_config(overrides={"model": "llama", "width": 0.25}).lr == pytest.approx(5e-3)
-    assert load_config(overrides={"model": "llama"}).lr == pytest.approx(1.25e-3)  # width 1
+    widest = max(LLAMA_LR_MEASURED)
+    assert load_config(overrides={"model": "llama"}).lr == pytest.approx(  # width 1
+        LLAMA_LR_MEASURED[widest] * widest)
     assert load_config(overrides={"model": "llama", "width": 0.25, "lr": "3e-3"}).lr == 3e-3
     # between two measured widths: log-linear
-    old = dict(LLAMA_LR_MEASURED)
-    try:
-        LLAMA_LR_MEASURED.update({0.125: 1e-2, 0.5: 1e-3})
+    with _measured({0.125: 1e-2, 0.5: 1e-3}, {0.125: "lowrank", 0.5: "lowrank"}):
         assert llama_lr(0.25) == pytest.approx(10 ** -2.5)
         assert llama_lr(1.0) == pytest.approx(5e-4)
+    # --help names the widths the advice was measured at, with what was chosen there
+    shown = " ".join(run_cli("train", "--help").stdout.split())
+    for width, lr in LLAMA_LR_MEASURED.items():
+        assert f"width {width:g}: lr {lr:g}, {LLAMA_METHODS[LLAMA_METHOD_MEASURED[width]]}" in shown
+
+
+@contextlib.contextmanager
+def _measured(lrs: dict[float, float], methods: dict[float, str]) -> Iterator[None]:
+    """The budget study's measured LRs and methods replaced for the block."""
+    old = dict(LLAMA_LR_MEASURED), dict(LLAMA_METHOD_MEASURED)
+    try:
+        for table, new in ((LLAMA_LR_MEASURED, lrs), (LLAMA_METHOD_MEASURED, methods)):
+            table.clear()
+            table.update(new)
+        yield
     finally:
-        LLAMA_LR_MEASURED.clear()
-        LLAMA_LR_MEASURED.update(old)
-    # --help names the widths the advice was measured at
-    assert "width 0.125 only" in " ".join(run_cli("train", "--help").stdout.split())
+        for table, saved in zip((LLAMA_LR_MEASURED, LLAMA_METHOD_MEASURED), old, strict=True):
+            table.clear()
+            table.update(saved)
+
+
+def test_llama_method_default_is_the_nearest_measured_width_s_and_the_user_s_switch_wins() -> None:
+    """Low rank from the start where it was chosen; Pufferfish's default switch (10% of the steps)
+    where that was; between, the nearer measured width's (log scale); a warm-up the user sets wins."""
+    def switch(**flags: object) -> tuple[str, float]:
+        cfg = load_config(overrides={"model": "llama", **flags})
+        return cfg.warmup_epochs, cfg.warmup_steps
+
+    with _measured({0.125: 1e-2, 0.25: 3e-3}, {0.125: "lowrank", 0.25: "pufferfish"}):
+        assert llama_method(0.125) == llama_method(0.0625) == llama_method(0.17) == "lowrank"
+        assert llama_method(0.18) == llama_method(0.25) == llama_method(1.0) == "pufferfish"
+        assert switch(width=0.125) == ("0", 0.0)
+        assert switch(width=0.25) == ("0", 0.1)  # the switch in steps: 10% of the run
+        assert switch(width=0.25, warmup_epochs="auto") == ("auto", 0.0)
+        assert switch(width=0.25, warmup_epochs="1") == ("1", 0.0)
+        assert switch(width=0.25, warmup_steps="0.05") == ("0", 0.05)
+        assert switch(width=0.125, warmup_steps="0.05") == ("0", 0.05)
+    assert llama_method(1.0) == LLAMA_METHOD_MEASURED[max(LLAMA_METHOD_MEASURED)]
 
 
 @pytest.mark.parametrize("args,message", [

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from .llama import LLAMA_DEFAULTS, Llama, check_llama, llama_dims
+from .llama import LLAMA_DEFAULTS, Llama, check_llama, llama_advice, llama_dims
 from .lstm_lm import LSTMLanguageModel
 from .resnet import ResNet18
 from .spec import ModelSpec, get_spec, model_names, register_model
@@ -82,6 +82,7 @@ for _spec in (
     ModelSpec("transformer", _transformer, task="lm-bptt", bench_optimizer="adamw",
               factory=transformer_lm),
     ModelSpec("llama", _llama, task="lm-packed", defaults=LLAMA_DEFAULTS, check=check_llama,
+              defaults_note=llama_advice(),
               bench_optimizer="adamw", factory=llama),
 ):
     register_model(_spec)

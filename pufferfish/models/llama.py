@@ -10,21 +10,29 @@ Face's ``LlamaForCausalLM`` (``embed_tokens``, ``layers.<i>.self_attn.q_proj`` .
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LLAMA_DEFAULTS", "LLAMA_LR_MEASURED", "MAX_SEQ_LEN", "Llama", "check_llama",
-           "llama_dims", "llama_lr"]
+__all__ = ["LLAMA_DEFAULTS", "LLAMA_LR_MEASURED", "LLAMA_METHODS", "LLAMA_METHOD_MEASURED",
+           "MAX_SEQ_LEN", "Llama", "check_llama", "llama_advice", "llama_dims", "llama_lr",
+           "llama_method"]
 
 MAX_SEQ_LEN = 4096  # the longest RoPE table a model is built with (LLaMA-2's context is 4096)
 
 
-# llama's AdamW LR chosen on validation per width (20 tokens per parameter, 16,384 tokens a step,
-# seed 0; docs/benchmarks.md "Language models at a budget"): the widths the advice comes from.
+# What the budget study measured per width (20 tokens per parameter, 16,384 tokens a step, seed 0;
+# docs/benchmarks.md "Language models at a budget"), every choice on validation: llama's AdamW LR,
+# and the method its rule chose ("lowrank": low rank from the start; "pufferfish": the switch
+# after 10% of the steps, Adam's moments per --switch-momentum auto). The widths the advice comes
+# from; a test holds both to the study's cache.
 LLAMA_LR_MEASURED: dict[float, float] = {0.125: 1e-2}
+LLAMA_METHOD_MEASURED: dict[float, str] = {0.125: "lowrank"}
+LLAMA_METHODS = {"lowrank": "low rank from the start",
+                 "pufferfish": "the switch after 10% of the steps"}
 
 
 def llama_lr(width: float) -> float:
@@ -41,14 +49,39 @@ def llama_lr(width: float) -> float:
     return math.exp((1 - f) * math.log(LLAMA_LR_MEASURED[lo]) + f * math.log(LLAMA_LR_MEASURED[hi]))
 
 
-# llama's training defaults (its ModelSpec's; applied to the keys no file or flag sets). The LM
-# recipe: AdamW with decay / no-decay groups, linear LR warm-up then cosine decay, clipping at 1;
-# and no full-rank warm-up (the factors from the initialization's SVD, as --mode lowrank): the
-# best on validation at 1, 5 and 20 tokens per parameter (docs/benchmarks.md, "Language models at
-# a budget"). A --warmup-epochs or --warmup-steps of the user's still switches later.
+def llama_method(width: float) -> str:
+    """The default llama method at ``width``: the one chosen at the nearest measured width (on a
+    log scale; the narrower at an equal distance), a key of :data:`LLAMA_METHODS`."""
+    nearest = min(sorted(LLAMA_METHOD_MEASURED), key=lambda w: abs(math.log(width / w)))
+    return LLAMA_METHOD_MEASURED[nearest]
+
+
+def llama_advice() -> str:
+    """Where llama's defaults come from, one line for ``train --help``."""
+    measured = "; ".join(f"width {w:g}: lr {LLAMA_LR_MEASURED[w]:g}, "
+                         f"{LLAMA_METHODS[LLAMA_METHOD_MEASURED[w]]}"
+                         for w in sorted(LLAMA_LR_MEASURED))
+    return (f"llama: lr and method chosen on validation by the budget study ({measured}); "
+            "between measured widths the LR is interpolated on a log scale, beyond them scaled "
+            "as 1/width and the method taken from the nearest measured width: not measured "
+            "there (docs/benchmarks.md, 'Language models at a budget')")
+
+
+def _width(values: Mapping[str, Any]) -> float:
+    return float(values.get("width", 1.0))
+
+
+# llama's training defaults (its ModelSpec's; applied, in this order, to the keys no file or flag
+# sets). The LM recipe: AdamW with decay / no-decay groups, linear LR warm-up then cosine decay,
+# clipping at 1; the LR and the method of the width (above). Low rank from the start is the switch
+# before step 0 (warm-up "0"); Pufferfish's default switch is 10% of the steps, unless the user
+# set --warmup-epochs (read before warmup_epochs gets its default, hence its place first). A
+# --warmup-epochs or --warmup-steps of the user's always wins.
 LLAMA_DEFAULTS: dict[str, Any] = {
-    "optimizer": "adamw", "lr": lambda values: llama_lr(float(values.get("width", 1.0))),
+    "optimizer": "adamw", "lr": lambda values: llama_lr(_width(values)),
     "weight_decay": 0.1, "schedule": "cosine", "lr_warmup_epochs": 0.1, "grad_clip": 1.0,
+    "warmup_steps": lambda values: 0.1 if llama_method(_width(values)) == "pufferfish"
+    and "warmup_epochs" not in values else 0.0,
     "warmup_epochs": "0",
 }
 
@@ -150,9 +183,9 @@ class Llama(nn.Module):
         # Factorize q, k, v, o and gate, up, down of every block; keep the token embedding, the
         # output head and the whole first block full-rank (the paper's "first layers"). Norms are
         # no low-rank layer type. ``*`` crosses dots: ``layers.0.*`` here, ``model.layers.0.*`` in HF.
-        # No full-rank warm-up by default (the trainer callbacks' default; the CLI's is in
-        # LLAMA_DEFAULTS): low rank from the start was the best on validation at 1, 5
-        # and 20 tokens per parameter (docs/benchmarks.md, "Language models at a budget").
+        # No full-rank warm-up by default (the trainer callbacks', which know no width; the
+        # CLI's is a function of width, LLAMA_DEFAULTS): the budget study's choice at width
+        # 0.125, within its resolution of full rank (docs/benchmarks.md, "Language models at a budget").
         "paper": {"keep": ["*embed_tokens", "*lm_head", "*layers.0.*"], "warmup_epochs": 0},
     }
 

@@ -45,7 +45,8 @@ class ModelSpec:
     a config file nor a flag sets them (a value may be a function of the other values, as llama's
     LR of its width). ``check(cfg)``: raises ``ValueError`` in one line for a configuration the
     model cannot train. ``run_fields``: more configuration fields a resume may not change.
-    ``bench_optimizer``: what every ``pufferfish bench`` method steps it with (the bench times
+    ``defaults_note``: where the defaults come from (what was measured, at which sizes), shown
+    by ``pufferfish train --help``. ``bench_optimizer``: what every ``pufferfish bench`` method steps it with (the bench times
     images on Fashion-MNIST, LMs on KJV token batches, by ``task``). ``factory``: the model
     class's own constructor, for :func:`~pufferfish.models.build_model` (None: ``build`` only).
     """
@@ -56,6 +57,7 @@ class ModelSpec:
     batch_first: bool = True
     presets: Mapping[str, Mapping[str, Any]] | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    defaults_note: str = ""
     check: Callable[[Any], None] | None = None
     run_fields: tuple[str, ...] = ()
     bench_optimizer: str = "sgd"

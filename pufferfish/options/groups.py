@@ -209,7 +209,7 @@ class OptimizerOptions(OptionGroup):
     SECTION: ClassVar[str] = "optim"
     CHOICES: ClassVar = {"optimizer": OPTIMIZERS}
     optimizer: str = "auto"  # sgd, adamw (auto: adamw for llama, else sgd)
-    lr: float = 0.1  # learning rate (after the LR warm-up; llama: 1e-2 x 0.125 / width, chosen on validation at width 0.125 only, other widths scaled as 1/width, not measured)
+    lr: float = 0.1  # learning rate (after the LR warm-up; llama: a function of the width, see 'model defaults' below)
     momentum: float = 0.9  # SGD momentum (0: none)
     nesterov: bool = False  # Nesterov momentum
     weight_decay: float = 1e-4  # weight decay (SGD: L2; AdamW: decoupled, not on norms/biases/embeddings)
