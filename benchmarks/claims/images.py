@@ -132,7 +132,9 @@ def tta_claim(cache: Path) -> tuple[dict, dict]:
         f"{folder}, each seed S; seed 0's PowerSGD run is psgdfp32-s0)", used,
         "Two workers and one emulated link: the paper's clusters are not measured. Accuracy per "
         "epoch is from one-GPU runs timed with 2-process CPU step times at the same global batch; "
-        "the time is modelled (steps x step time), not a run over the link. PowerSGD at one "
+        "the time is modelled (steps x step time), not a run over the link. The GPU runs shared "
+        "one GPU, several at once, so their own epoch times are not used, and no clean GPU step "
+        "time exists yet (benchmarks/gpu_suite.sh has not run: no GPU lent). PowerSGD at one "
         f"untuned rank ({rank}); its runs stopped early: {', '.join(stopped) or 'none'}.",
         "fixed in advance (the paper's recipe; target from the issue)",
         ("Time to accuracy vs DDP", "up to 1.64x sooner", ours,
