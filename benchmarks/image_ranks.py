@@ -14,17 +14,30 @@ choices made there), 20 epochs, 2 processes x 64 images, the paper's SGD recipe 
   (queued once PowerSGD's grid has finished).
 
     python benchmarks/image_ranks.py run OUT [--dry-run]
+    sudo python benchmarks/image_ranks.py bench OUT --seed S   # once the runs have finished
+    python benchmarks/image_ranks.py table OUT [--md FILE]
 
-Runs go through ``benchmarks/sweep.py`` (cached, resumed from checkpoints); about 80 minutes a
-run on 2 CPU cores, 24 runs in all.
+Runs go through ``benchmarks/sweep.py`` (cached, resumed from checkpoints); about 30 minutes a
+run on 2 idle CPU cores, 20 runs in all. ``bench`` times every method's settings side by side in
+one ``pufferfish bench`` (each setting a ``METHOD:KEY=VALUE`` method), once per seed, so that
+each seed's times come from rounds of their own. ``table``: each run's epochs to each target and
+its seconds over each link, a run's steps timed in phases (:func:`phases`); the verdict per
+target and seed, over 100 Mbit/s: the fastest Pufferfish variant against the fastest PowerSGD
+rank, each side's fastest chosen on validation (time to DDP's mean final validation accuracy
+minus the same margin), judged on test by worst rounds.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import subprocess
 import sys
 from pathlib import Path
 
 import sweep  # benchmarks/ is not a package: its folder on the path
+
+from pufferfish.bench import time_to_target as ttt
 
 BASE = ("--config", "resnet18_fashion", "--width", "0.25", "--batch-size", "64", "--epochs", "20",
         "--warmup-epochs", "2", "--threads", "1", "--no-progress", "--checkpoint-every-epochs", "1")
@@ -74,8 +87,231 @@ def runs(out: Path) -> list[sweep.Run]:
             for s in SEEDS for m, flags in methods.items()]
 
 
+# -- timing: the bench's step times per seed, each run's steps in phases ------------------------
+
+BENCH = ("--model", "resnet18", "--width", "0.25", "--batch-size", "64", "--threads", "1",
+         "--rounds", "3")
+LINKS = "loopback,1gbit,100mbit"
+VERDICT_LINK = "100mbit"
+MARGINS = (0.5, 1.0)  # the targets: DDP's mean final accuracy minus these points
+RATIO = "0.25"  # the compositions' rank ratio
+
+
+def bench_methods(rank: int) -> list[str]:
+    """Every step time a run's phases need (:func:`phases`), PowerSGD's best rank ``rank`` in
+    the composition; each setting a ``METHOD:KEY=VALUE`` bench method."""
+    return ["ddp", "fp16", *(f"powersgd:rank={r}" for r in PSGD_RANKS),
+            *(f"pufferfish:rank_ratio={x}" for x in RATIOS), f"pufferfish+fp16:rank_ratio={RATIO}",
+            f"pufferfish+powersgd:rank_ratio={RATIO}:rank={rank}"]
+
+
+def bench_dir(out: Path, seed: int) -> Path:
+    return out / f"bench-s{seed}"
+
+
+def switch_step(path: Path) -> int:
+    """The optimizer step a Pufferfish run switched at (its warm-up epochs' steps), 0 if none."""
+    report = path / "factorization.json"
+    if not report.is_file():
+        return 0
+    record = json.loads(report.read_text())
+    if "step" in record:  # a switch in optimizer steps
+        return int(record["step"])
+    return sum(r["steps"] for r in _rows(path)[:record["epoch"]])  # before epoch N (from 0)
+
+
+def phases(method: str, path: Path) -> list[tuple[float, str]]:
+    """A run's steps as ``(steps, bench method)`` in order, the last unbounded: PowerSGD
+    all-reduces plainly (DDP's step) for its first ``START_ITER`` steps; a Pufferfish run steps
+    at its full-rank counterpart's time until its switch; with PowerSGD, whose hook starts again
+    on the factorized model (``distributed.env.rewrap_ddp``), plainly for ``START_ITER`` more."""
+    if method == "ddp":
+        return [(math.inf, "ddp")]
+    if method.startswith("psgd-r"):
+        return [(START_ITER, "ddp"), (math.inf, f"powersgd:rank={method[6:]}")]
+    switch = switch_step(path)
+    if method.startswith("puff-r"):
+        return [(switch, "ddp"), (math.inf, f"pufferfish:rank_ratio={method[6:]}")]
+    if method == "puff-fp16":
+        return [(switch, "fp16"), (math.inf, f"pufferfish+fp16:rank_ratio={RATIO}")]
+    rank = _config_rank(path)
+    plain = min(switch, START_ITER)
+    return [(plain, "ddp"), (switch - plain, f"powersgd:rank={rank}"),
+            (START_ITER, f"pufferfish:rank_ratio={RATIO}"),
+            (math.inf, f"pufferfish+powersgd:rank_ratio={RATIO}:rank={rank}")]
+
+
+def _config_rank(path: Path) -> int:
+    text = (path / "config.toml").read_text()
+    return int(next(line.split("=")[1] for line in text.splitlines()
+                    if line.startswith("powersgd_rank")))
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
+def steps_to(path: Path, target: float, split: str) -> float | None:
+    """The optimizer steps until the end of the first epoch whose ``split`` accuracy
+    (``val`` or ``test``) reaches ``target`` (None: never)."""
+    rows, done = _rows(path), 0.0
+    for row in rows:
+        done += row["steps"]
+        if row.get(f"{split}_acc", -1.0) >= target:
+            return done
+    return None
+
+
+def step_times(out: Path, seed: int) -> dict[tuple[str, str], ttt.StepTime] | None:
+    """(bench method, link) -> its step time over the rounds of seed ``seed``'s bench."""
+    results = bench_dir(out, seed) / "results.json"
+    if not results.is_file():
+        return None
+    return {(r["method"], r["bandwidth"]): ttt.StepTime(r["step_time"], *r["spread"]["step_time"])
+            for r in json.loads(results.read_text())["rows"]}
+
+
+def seconds_to(method: str, path: Path, steps: float | None, link: str,
+               times: dict[tuple[str, str], ttt.StepTime]) -> ttt.StepTime | None:
+    """A run's seconds for its first ``steps`` over ``link`` (median, best round, worst round);
+    None when it never reaches the target (``steps`` None) or a phase's time was not measured."""
+    parts = [(n, m) for n, m in phases(method, path) if n > 0]
+    if steps is None or any((m, link) not in times for _, m in parts):
+        return None
+    return ttt.time_range(steps, [(n, times[(m, link)]) for n, m in parts])
+
+
+def targets(out: Path) -> dict[str, float] | None:
+    """DDP's mean final accuracy over its seeds, validation and test; None until both ran."""
+    rows = [sweep.finished(run_dir(out, "ddp", s)) for s in SEEDS]
+    if any(r is None for r in rows):
+        return None
+    return {split: sum(r[f"{split}_acc"] for r in rows) / len(rows)  # type: ignore[index]
+            for split in ("val", "test")}
+
+
+def results(out: Path) -> dict | str:
+    """Every finished run's epochs to each target and seconds over each link, per seed, from its
+    seed's bench; a string says what is missing."""
+    ddp = targets(out)
+    if ddp is None:
+        return "image_ranks: DDP's two seeds have not finished"
+    methods = [*METHODS, "puff-psgd"]
+    found: dict = {"ddp": ddp, "rows": []}
+    for seed in SEEDS:
+        times = step_times(out, seed)
+        if times is None:
+            return f"image_ranks: no bench for seed {seed} yet (sudo image_ranks.py bench OUT " \
+                   f"--seed {seed})"
+        links = list(dict.fromkeys(link for _, link in times))
+        for method in methods:
+            path = run_dir(out, method, seed)
+            if sweep.finished(path) is None:
+                continue
+            row = {"method": method, "seed": seed, "final": sweep.finished(path), "to": {}}
+            for margin in MARGINS:
+                for split in ("val", "test"):
+                    steps = steps_to(path, ddp[split] - margin / 100, split)
+                    row["to"][(margin, split)] = {
+                        "steps": steps, **{link: seconds_to(method, path, steps, link, times)
+                                           for link in links}}
+            found["rows"].append(row)
+        found["links"] = links
+    return found
+
+
+def fastest(found: dict, prefix: str, margin: float) -> str | None:
+    """Of the study's methods starting with ``prefix``, the one with the lowest mean median
+    seconds to the validation target over ``VERDICT_LINK`` on both seeds (None: none reaches
+    it on both): each side's choice is made on validation."""
+    mean: dict[str, float] = {}
+    for method in {r["method"] for r in found["rows"] if r["method"].startswith(prefix)}:
+        times = [r["to"][(margin, "val")][VERDICT_LINK] for r in found["rows"]
+                 if r["method"] == method]
+        if len(times) == len(SEEDS) and None not in times:
+            mean[method] = sum(t.median for t in times) / len(times)
+    return min(mean, key=mean.__getitem__) if mean else None
+
+
+def verdict(found: dict, margin: float, seed: int) -> str:
+    """Over ``VERDICT_LINK`` to DDP − ``margin`` on test, seed ``seed``: Pufferfish's fastest
+    variant against PowerSGD's fastest rank (each chosen on validation), by worst rounds."""
+    picks = {side: fastest(found, prefix, margin) for side, prefix in
+             (("Pufferfish", "puff"), ("PowerSGD", "psgd"))}
+    times = {side: None if m is None else next(
+        r["to"][(margin, "test")][VERDICT_LINK] for r in found["rows"]
+        if r["method"] == m and r["seed"] == seed) for side, m in picks.items()}
+    shown = "; ".join(f"{side} {picks[side] or '(none reaches it on validation)'}: "
+                      + ("never" if t is None else f"{t.median:,.0f} s [{t.low:,.0f}–{t.high:,.0f}]")
+                      for side, t in times.items())
+    puff, psgd = times["Pufferfish"], times["PowerSGD"]
+    if puff is not None and (psgd is None or puff.high < psgd.low):
+        answer = "Pufferfish first"
+    elif psgd is not None and (puff is None or psgd.high < puff.low):
+        answer = "PowerSGD first"
+    else:
+        answer = "a tie (the rounds overlap)" if puff is not None else "neither reaches it"
+    return f"DDP −{margin:g}, seed {seed}: {shown}: {answer}"
+
+
+def table(out: Path) -> str:
+    """Each run's epochs and seconds to each target (test) over each link, and the verdicts."""
+    found = results(out)
+    if isinstance(found, str):
+        return found
+    links = found["links"]
+    lines = [f"Targets: DDP's mean final test accuracy {100 * found['ddp']['test']:.2f}% "
+             f"(validation {100 * found['ddp']['val']:.2f}%) minus "
+             + " and ".join(f"{m:g}" for m in MARGINS) + " points.", ""]
+    for margin in MARGINS:
+        lines += [f"To DDP −{margin:g} (test):", "",
+                  "| method | seed | final test | steps | "
+                  + " | ".join(f"seconds, {link}" for link in links) + " |",
+                  "|---|---|---|---|" + "---|" * len(links)]
+        for r in found["rows"]:
+            to = r["to"][(margin, "test")]
+            cells = ["never" if to["steps"] is None else "–" if to[link] is None else
+                     f"{to[link].median:,.0f} [{to[link].low:,.0f}–{to[link].high:,.0f}]"
+                     for link in links]
+            steps = "–" if to["steps"] is None else f"{to['steps']:,.0f}"
+            lines.append(f"| {r['method']} | {r['seed']} | {100 * r['final']['test_acc']:.2f}% "
+                         f"| {steps} | " + " | ".join(cells) + " |")
+        lines += ["", *(verdict(found, margin, seed) for seed in SEEDS), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def bench(out: Path, seed: int) -> int:
+    """``pufferfish bench`` of every setting the runs' phases need, for seed ``seed``'s times."""
+    rank = best_psgd_rank(out)
+    if rank is None:
+        print("image_ranks: PowerSGD's best rank is not chosen yet (image_ranks.py run OUT "
+              "first)", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "pufferfish", "bench", *BENCH,
+           "--methods", ",".join(bench_methods(rank)), "--bandwidth", LINKS,
+           "--out", str(bench_dir(out, seed))]
+    print(" ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
 def main() -> int:
-    args = sweep.parser(__doc__)[0].parse_args()
+    parser, sub = sweep.parser(__doc__)
+    b = sub.add_parser("bench")
+    b.add_argument("out", type=Path)
+    b.add_argument("--seed", type=int, choices=SEEDS, required=True)
+    t = sub.add_parser("table")
+    t.add_argument("out", type=Path)
+    t.add_argument("--md", type=Path)
+    args = parser.parse_args()
+    if args.cmd == "bench":
+        return bench(args.out, args.seed)
+    if args.cmd == "table":
+        text = table(args.out)
+        print(text, end="")
+        if args.md is not None:
+            args.md.write_text(text)
+        return 0
     sweep.run_all(runs(args.out), dry_run=args.dry_run)
     if not args.dry_run:  # a finished grid queues the composition at PowerSGD's best rank
         sweep.run_all(runs(args.out))

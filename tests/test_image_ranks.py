@@ -1,0 +1,94 @@
+"""benchmarks/image_ranks.py's timing: each run's steps in phases of the bench's step times per
+seed, the target from DDP's two seeds, each side's fastest chosen on validation and judged on
+test by worst rounds. Constructed runs and benches with known answers."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import image_ranks  # noqa: E402
+
+STEPS = 430  # an epoch's steps: image_ranks.START_ITER is two of them
+
+
+def _run(out: Path, method: str, seed: int, test: list[float], val: list[float],
+         switch_epoch: int | None = None, rank: int | None = None) -> None:
+    path = image_ranks.run_dir(out, method, seed)
+    path.mkdir(parents=True)
+    rows = [{"epoch": e + 1, "steps": STEPS, "test_acc": t, "val_acc": v, "params": 1}
+            for e, (t, v) in enumerate(zip(test, val, strict=True))]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if switch_epoch is not None:
+        (path / "factorization.json").write_text(json.dumps({"epoch": switch_epoch}))
+    (path / "config.toml").write_text(f"powersgd_rank = {rank or 4}\n")
+
+
+def _bench(out: Path, seed: int, times: dict[str, float]) -> None:
+    rows = [{"method": m, "bandwidth": "100mbit", "step_time": t,
+             "spread": {"step_time": [t * 0.99, t * 1.01]}} for m, t in times.items()]
+    path = image_ranks.bench_dir(out, seed)
+    path.mkdir(parents=True)
+    (path / "results.json").write_text(json.dumps({"rows": rows}))
+
+
+def test_phases_follow_what_each_run_trained(tmp_path: Path) -> None:
+    _run(tmp_path, "puff-psgd", 0, [0.9] * 3, [0.9] * 3, switch_epoch=2, rank=2)
+    _run(tmp_path, "puff-r0.125", 0, [0.9] * 3, [0.9] * 3, switch_epoch=2)
+    path = image_ranks.run_dir(tmp_path, "puff-psgd", 0)
+    assert image_ranks.switch_step(path) == 2 * STEPS
+    plain = min(2 * STEPS, image_ranks.START_ITER)
+    assert image_ranks.phases("puff-psgd", path) == [
+        (plain, "ddp"), (2 * STEPS - plain, "powersgd:rank=2"),
+        (image_ranks.START_ITER, "pufferfish:rank_ratio=0.25"),
+        (math.inf, "pufferfish+powersgd:rank_ratio=0.25:rank=2")]
+    assert image_ranks.phases("psgd-r8", path) == [(image_ranks.START_ITER, "ddp"),
+                                                   (math.inf, "powersgd:rank=8")]
+    assert image_ranks.phases("puff-r0.125", image_ranks.run_dir(tmp_path, "puff-r0.125", 0)) \
+        == [(2 * STEPS, "ddp"), (math.inf, "pufferfish:rank_ratio=0.125")]
+    # every step time a phase needs is one the bench measures
+    needed = {m for method in (*image_ranks.METHODS, "puff-psgd")
+              for _, m in image_ranks.phases(method, path)}
+    assert needed <= set(image_ranks.bench_methods(2))
+
+
+def test_the_verdict_picks_on_validation_and_judges_on_test_by_worst_rounds(
+        tmp_path: Path) -> None:
+    curve = [0.90, 0.92, 0.93, 0.93]
+    for seed in image_ranks.SEEDS:
+        _run(tmp_path, "ddp", seed, curve, [0.89, 0.91, 0.92, 0.92])
+        _run(tmp_path, "psgd-r2", seed, curve, [0.89, 0.91, 0.92, 0.92])
+        # fastest on test, never on validation: not PowerSGD's pick
+        _run(tmp_path, "psgd-r1", seed, [0.93] * 4, [0.80] * 4)
+        _run(tmp_path, "puff-r0.25", seed, curve, [0.89, 0.91, 0.92, 0.92], switch_epoch=2)
+        _bench(tmp_path, seed, {"ddp": 0.1, "powersgd:rank=1": 0.01, "powersgd:rank=2": 0.05,
+                                "pufferfish:rank_ratio=0.25": 0.02})
+    assert image_ranks.targets(tmp_path) == pytest.approx({"val": 0.92, "test": 0.93})
+    found = image_ranks.results(tmp_path)
+    assert isinstance(found, dict)
+    assert image_ranks.fastest(found, "psgd", 0.5) == "psgd-r2"
+    assert image_ranks.fastest(found, "puff", 0.5) == "puff-r0.25"
+    row = next(r for r in found["rows"] if r["method"] == "psgd-r2" and r["seed"] == 1)
+    t = row["to"][(0.5, "test")]["100mbit"]  # epoch 3: 860 steps at DDP's 0.1 s, 430 at 0.05 s
+    assert (t.median, t.low, t.high) == pytest.approx((107.5, 106.425, 108.575))
+    text = image_ranks.table(tmp_path)
+    # to DDP -0.5: Pufferfish's worst round (95.5 s) before PowerSGD's best (106.4 s)
+    assert "DDP −0.5, seed 1: Pufferfish puff-r0.25: 95 s [94–96]; PowerSGD psgd-r2: 108 s " \
+           "[106–109]: Pufferfish first" in text, text
+    # to DDP -1 both reach it inside the warm-up / before compressing: the same 860 DDP steps
+    assert "DDP −1, seed 0: Pufferfish puff-r0.25: 86 s [85–87]; PowerSGD psgd-r2: 86 s " \
+           "[85–87]: a tie (the rounds overlap)" in text, text
+    assert "| psgd-r1 | 0 | 93.00% | 430 |" in text  # reported, not chosen
+
+
+def test_table_says_what_is_missing(tmp_path: Path) -> None:
+    assert "DDP's two seeds" in image_ranks.table(tmp_path)
+    for seed in image_ranks.SEEDS:
+        _run(tmp_path, "ddp", seed, [0.9], [0.9])
+    assert "no bench for seed 0" in image_ranks.table(tmp_path)
