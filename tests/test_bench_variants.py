@@ -8,24 +8,35 @@ parser, precedence over the global flags and the one-line refusals, through the 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import BENCH_TINY, DDP_ROWS, PUFF_ROWS, needs_fashion, run_cli, write_train_run
+from helpers import (
+    BENCH_TINY,
+    DDP_ROWS,
+    PUFF_ROWS,
+    bench_record,
+    needs_fashion,
+    run_cli,
+    write_train_run,
+)
 
 from pufferfish import factorize
 from pufferfish.bench import accuracy as acc
-from pufferfish.bench.config import BenchConfig, parse_compute_ms
+from pufferfish.bench.config import BenchConfig, parallel_methods, parse_compute_ms
 from pufferfish.bench.methods import MethodSpec, parse_method_map, setting_keys
+from pufferfish.bench.results import project
+from pufferfish.bench.rounds import summarize
 from pufferfish.bench.runner import _step_argv, _train_argv
 from pufferfish.cli import main
 from pufferfish.models import build_model
 
 GIVEN = ("ddp,powersgd:rank=1,powersgd,powersgd:rank=04,pufferfish:rank_ratio=0.125,"
-         "pufferfish:rank_ratio=.5")
+         "pufferfish:rank_ratio=.5,diloco:inner_steps=4")
 CANONICAL = ["ddp", "powersgd:rank=1", "powersgd", "powersgd:rank=4",
-             "pufferfish:rank_ratio=0.125", "pufferfish:rank_ratio=0.5"]
+             "pufferfish:rank_ratio=0.125", "pufferfish:rank_ratio=0.5", "diloco:inner_steps=4"]
 
 
 # -- parsing --------------------------------------------------------------------------------------
@@ -105,9 +116,29 @@ def test_accuracy_runs_are_checked_against_the_variants_settings(tmp_path: Path)
     common = {"model": "resnet18", "width": 0.25, "batch_size": 64, "powersgd_rank": 4}
     runs = acc.load_accuracy_runs(f"ddp={ddp},pufferfish:rank_ratio=.5={puff}", **common)
     assert list(runs) == ["ddp", "pufferfish:rank_ratio=0.5"]
-    with pytest.raises(ValueError, match="the run has rank_ratio '0.5' but the bench's "
-                                         "pufferfish:rank_ratio=0.125 measures rank_ratio"):
+    with pytest.raises(ValueError, match=re.escape(
+            "the run has rank_ratio '0.5' but the bench's pufferfish:rank_ratio=0.125 measures "
+            "rank_ratio")):
         acc.load_accuracy_runs(f"ddp={ddp},pufferfish:rank_ratio=0.125={puff}", **common)
+
+
+def test_parallel_fsdp_keeps_a_variants_settings() -> None:
+    assert parallel_methods(["ddp", "pufferfish:rank_ratio=0.5"], "fsdp") == [
+        "fsdp", "pufferfish+fsdp:rank_ratio=0.5"]
+
+
+def test_the_projection_pools_compute_per_model_not_across_rank_ratios(tmp_path: Path) -> None:
+    # Compute-only steps of one model are pooled over its methods; two rank ratios are two models.
+    methods = ["ddp", "pufferfish", "pufferfish+fp16", "pufferfish:rank_ratio=0.5"]
+    recs = [bench_record(m, "100mbit", 1e8, step, compute, 0.0, nbytes)
+            for m, step, compute, nbytes in (("ddp", 1.0, 0.4, 10e6),
+                                             ("pufferfish", 0.3, 0.1, 2e6),
+                                             ("pufferfish+fp16", 0.3, 0.2, 1e6),
+                                             ("pufferfish:rank_ratio=0.5", 0.6, 0.3, 5e6))]
+    cfg = BenchConfig(out=str(tmp_path), methods=methods, rounds=1)
+    ms = project(summarize(recs, ["100mbit"], methods), cfg)["compute_ms"]
+    assert ms["pufferfish"] == pytest.approx(150.0) == ms["pufferfish+fp16"]  # median of 0.1, 0.2
+    assert ms["pufferfish:rank_ratio=0.5"] == pytest.approx(300.0)
 
 
 @pytest.mark.parametrize(("methods", "needle"), [
@@ -164,6 +195,10 @@ def test_each_variant_is_a_row_measured_with_its_settings(variants: dict[str, An
     small, large = rows["pufferfish:rank_ratio=0.125"], rows["pufferfish:rank_ratio=0.5"]
     assert small["params"] == _params_at(0.125) and large["params"] == _params_at(0.5)
     assert small["params"] < large["params"] < rows["ddp"]["params"]
+    # DiLoCo's outer step every 4 steps (the global --inner-steps is 50): a quarter of DDP's bytes
+    diloco = rows["diloco:inner_steps=4"]
+    assert [r["inner_steps"] for r in variants["rounds"] if r["method"] == diloco["method"]] == [4]
+    assert diloco["bytes_per_step"] == pytest.approx(rows["ddp"]["bytes_per_step"] / 4, rel=0.05)
     assert variants["config"]["method_settings"]["powersgd"]["powersgd_rank"] == 2
     assert variants["config"]["method_settings"]["powersgd:rank=1"]["powersgd_rank"] == 1
     assert variants["config"]["method_settings"]["pufferfish:rank_ratio=0.125"] == {
