@@ -30,8 +30,11 @@ from pufferfish.bench.methods import MethodSpec, parse_method_map, setting_keys
 from pufferfish.bench.results import project
 from pufferfish.bench.rounds import summarize
 from pufferfish.bench.runner import _step_argv, _train_argv
+from pufferfish.bench.usermodel import factorization_report
 from pufferfish.cli import main
 from pufferfish.models import build_model
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "bench_my_model.py"
 
 GIVEN = ("ddp,powersgd:rank=1,powersgd,powersgd:rank=04,pufferfish:rank_ratio=0.125,"
          "pufferfish:rank_ratio=.5,diloco:inner_steps=4")
@@ -224,3 +227,23 @@ def test_from_results_projects_a_variant_with_its_own_compute(variants: dict[str
     assert [r["method"] for r in again["rows"]] == CANONICAL
     sources = again["projection"]["compute_sources"]
     assert sources["powersgd:rank=1"] == "given" and sources["powersgd:rank=4"] != "given"
+
+
+def test_variants_of_your_model_under_torchrun(tmp_path: Path) -> None:
+    """torchrun's processes measure each variant (bench/launched.py); the Workload's own
+    rank_ratio (1/4) is the default that a variant's rank_ratio overrides."""
+    out = tmp_path / "bench"
+    ref = f"{EXAMPLE}:make"
+    methods = ["ddp", "pufferfish", "pufferfish:rank_ratio=0.5", "powersgd:rank=1", "powersgd"]
+    run = run_cli("bench", "--model", ref, "--methods", ",".join(methods), "--rounds", "1",
+                  "--steps", "3", "--warmup", "2", "--compute-steps", "2", "--batch-size", "16",
+                  "--threads", "1", "--bucket-mb", "torch", "--out", str(out), torchrun=2,
+                  cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "at rank ratio 0.5" in run.stdout  # the variant's factorization, reported
+    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert list(rows) == methods
+    assert rows["pufferfish"]["params"] == factorization_report(ref).params_after
+    assert rows["pufferfish:rank_ratio=0.5"]["params"] == \
+        factorization_report(ref, rank_ratio=0.5).params_after > rows["pufferfish"]["params"]
+    assert rows["powersgd:rank=1"]["bytes_per_step"] < rows["powersgd"]["bytes_per_step"]
