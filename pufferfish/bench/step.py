@@ -4,7 +4,8 @@ Started once per rank by :mod:`pufferfish.bench.runner` (through
 :func:`pufferfish.bench.workers.run_workers`, which sets ``RANK``/``WORLD_SIZE``/
 ``MASTER_ADDR``/``MASTER_PORT`` and, on an emulated link, runs us inside a network
 namespace). The ``--methods`` are measured one after the other in the order given, each
-with a fresh model, DDP wrapper, hook and optimizer but the same minibatches; one worker
+with a fresh model, DDP wrapper, hook and optimizer but the same minibatches (a method with its
+own settings, ``powersgd:rank=2``, runs with them over the flags: :mod:`.methods`); one worker
 group per link and round thus interleaves the methods without paying process start-up per
 method. After each method rank 0 rewrites ``--out`` with the JSON list of the records so
 far; the runner reads it (a group that fails later keeps the methods it finished).
