@@ -214,6 +214,9 @@ def test_results_md_and_the_projection_name_each_variant(variants: dict[str, Any
     for name in CANONICAL:
         assert f"| loopback | {name} |" in md or f"| {name} | loopback |" in md, name
     assert "Measured with their own settings" in md
+    # the compute figures results.md offers to reuse parse back, one per variant
+    flag = md.split("as measured here: ")[1].split("`--compute-ms ")[1].split("`")[0]
+    assert set(parse_compute_ms(flag)) == set(CANONICAL)
     assert set(variants["projection"]["crossovers"]) >= set(CANONICAL) - {"ddp"}
 
 
