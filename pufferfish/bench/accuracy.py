@@ -36,15 +36,15 @@ from ..training.startup import load_run_config
 from . import projection as proj
 from . import time_to_target as ttt
 from .bandwidth import format_bps
-from .step import (
+from .methods import (
     BENCH_METHODS,
-    PUFFERFISH_RANK_RATIO,
-    hook_for,
+    MethodSpec,
     parallel_for,
     parse_method_map,
     sync_for,
 )
 from .time_to_target import StepTime
+from .workload import PUFFERFISH_RANK_RATIO
 
 __all__ = [
     "FASHION_MNIST_TEST",
@@ -99,10 +99,12 @@ class AccuracyRun:
 
 
 def parse_accuracy_runs(spec: str) -> dict[str, Path]:
-    """``"ddp=runs/a,pufferfish=runs/b"`` -> ``{method: run directory}`` (``ValueError``)."""
+    """``"ddp=runs/a,pufferfish=runs/b"`` -> ``{method: run directory}`` (``ValueError``); a
+    method may carry settings (``powersgd:rank=2=runs/p``: the key is everything before the last
+    ``=``), made canonical."""
     runs = {m: Path(d) for m, d in parse_method_map(
         spec, "--accuracy-runs", "METHOD=RUN_DIR, e.g. ddp=runs/full,pufferfish=runs/pufferfish",
-        BENCH_METHODS, ", ".join(BENCH_METHODS)).items()}
+        None, ", ".join(BENCH_METHODS)).items()}
     if not set(TARGET_METHODS) & set(runs):
         raise ValueError(f"--accuracy-runs {spec!r} has no ddp run (or fsdp run): the target is "
                          "full-rank DDP's (FSDP2's) final accuracy")
@@ -117,13 +119,14 @@ def target_method(runs: Mapping[str, Any]) -> str:
 def load_accuracy_runs(
     spec: str, *, model: str, width: float, batch_size: int, powersgd_rank: int,
     workers: int = 2, processes: int = 0, inner_steps: int = 0,
+    rank_ratio: float | None = PUFFERFISH_RANK_RATIO,
 ) -> dict[str, AccuracyRun]:
     """Read and check the runs of ``--accuracy-runs`` against what the bench measures.
 
     Each must be a Fashion-MNIST run of ``model`` at ``width`` and ``batch_size`` per
     process, trained the way its method says (mode, comm hook, PowerSGD rank, Pufferfish's
-    paper preset at rank ratio 1/4): otherwise its accuracy does not belong to the measured
-    steps. ``ValueError`` with one line naming the run and the mismatch. Runs trained on
+    paper preset at ``rank_ratio``; a method's own settings, ``powersgd:rank=2``, over these):
+    otherwise its accuracy does not belong to the measured steps. ``ValueError`` with one line naming the run and the mismatch. Runs trained on
     ``processes`` processes other than the bench's ``workers`` (say one GPU at batch 128 for
     2 x 64) must match the global batch instead: the same steps per epoch, so the same curve.
     """
@@ -141,12 +144,13 @@ def load_accuracy_runs(
         rows = [r for r in read_metrics(path) if r.get("test_acc") is not None]
         if not rows:
             raise ValueError(f"{where}: metrics.jsonl has no epoch with test_acc yet")
-        factorized, hook = hook_for(method)
+        spec = MethodSpec.parse(method)
+        factorized, hook, own = spec.factorized, spec.hook, spec.flat
         expect = {"data": "fashion-mnist", "model": model, "width": width,
                   "batch_size": batch_size, "mode": "pufferfish" if factorized else "full",
                   "comm": hook, "sync": sync_for(method), "parallel": parallel_for(method)}
         if sync_for(method) == "diloco" and inner_steps:
-            expect["inner_steps"] = inner_steps
+            expect["inner_steps"] = own.get("inner_steps", inner_steps)
         if processes and processes != workers:
             if cfg.batch_size * processes != batch_size * workers:
                 raise ValueError(f"{where}: its global batch {cfg.batch_size} x {processes} "
@@ -154,9 +158,11 @@ def load_accuracy_runs(
                                  "workers: allowed the same number of examples per step")
             del expect["batch_size"]
         if hook == "powersgd":
-            expect["powersgd_rank"] = powersgd_rank
+            expect["powersgd_rank"] = own.get("powersgd_rank", powersgd_rank)
         if factorized:
-            expect |= {"rank_ratio": str(PUFFERFISH_RANK_RATIO), "preset": "paper"}
+            ratio = own.get("rank_ratio", rank_ratio)
+            expect |= {"rank_ratio": str(ratio if ratio is not None else PUFFERFISH_RANK_RATIO),
+                       "preset": "paper"}
         for key, want in expect.items():
             got = getattr(cfg, key)
             if got != want and str(got) != str(want):
@@ -180,14 +186,15 @@ def steps_per_epoch(train_examples: int, batch_size: int, workers: int) -> int:
 def phase_methods(method: str) -> tuple[str, str]:
     """``(full-rank phase, low-rank phase)`` bench methods whose step times a run's epochs take:
     a factorized method warms up as the full-rank method with the same hook, synchronization and
-    parallelism (pufferfish+fsdp as fsdp)."""
-    factorized, hook = hook_for(method)
-    if not factorized:
+    parallelism (pufferfish+fsdp as fsdp), and the hook's own settings
+    (``pufferfish+powersgd:rank_ratio=0.5:rank=2`` warms up as ``powersgd:rank=2``)."""
+    spec = MethodSpec.parse(method)
+    if not spec.factorized:
         return method, method
     full = next(m for m, (f, h) in BENCH_METHODS.items()
-                if not f and h == hook and sync_for(m) == sync_for(method)
+                if not f and h == spec.hook and sync_for(m) == sync_for(method)
                 and parallel_for(m) == parallel_for(method))
-    return full, method
+    return spec.with_base(full).name, method
 
 
 # -- curves ------------------------------------------------------------------------------------

@@ -21,17 +21,20 @@ from . import accuracy as acc
 from . import projection as proj
 from .bandwidth import parse_link
 from .launched import TORCHRUN_LINK, launched_world
-from .step import (
+from .methods import (
     BENCH_METHODS,
     FSDP_METHODS,
     FSDP_VERSIONS,
     HOOK_DEFAULTS,
     HOOK_OPTIONS,
+    MethodSpec,
+    base_of,
     hook_for,
     parse_method_map,
+    setting_keys,
 )
 from .usermodel import check_workload, is_user_model
-from .workload import adamw_models, image_models, is_lm, optimizer_name
+from .workload import adamw_models, image_models, is_lm, optimizer_name, rank_ratio_of
 
 __all__ = [
     "AMP_CHOICES",
@@ -52,14 +55,15 @@ STEP_TIMEOUT = 3600.0  # per worker group, when --timeout is not given
 
 COMPUTE_MS_FORM = ("full=MS,factorized=MS[,METHOD=MS...], your hardware's ms per step with "
                    "MS > 0: full= / factorized= each model's compute, METHOD= one method's "
-                   "compute with its encode/decode (e.g. full=9.5,factorized=13.7,powersgd=38); "
-                   "full= (or ddp=) required; MS alone is full=MS")
+                   "compute with its encode/decode (e.g. full=9.5,factorized=13.7,powersgd=38, "
+                   "powersgd:rank=2=41); full= (or ddp=) required; MS alone is full=MS")
 AMP_CHOICES = ("none", "bf16", "fp16")
 
 
 def parse_compute_ms(value: str | float) -> dict[str, float]:
-    """``--compute-ms`` as ``{key: ms}``, key ``full``, ``factorized`` or a bench method; the old
-    forms (``MS``, ``full=MS``, ``full=MS,factorized=MS``) keep their meaning. ``ValueError``
+    """``--compute-ms`` as ``{key: ms}``, key ``full``, ``factorized`` or a bench method's
+    canonical name (an entry's key is everything before its last ``=``: ``powersgd:rank=2=41``);
+    the old forms (``MS``, ``full=MS``, ``full=MS,factorized=MS``) keep their meaning. ``ValueError``
     (one line) names the value and :data:`COMPUTE_MS_FORM`. How the projection uses each figure,
     and where it falls back to this CPU's ratios: :func:`~pufferfish.bench.projection.with_compute`.
     """
@@ -69,13 +73,13 @@ def parse_compute_ms(value: str | float) -> dict[str, float]:
     text = str(value).strip()
     found: dict[str, float] = {}
     for item in (text.split(",") if "=" in text else [f"full={text}"]):
-        key, _, ms = (x.strip() for x in item.partition("="))
+        key, _, ms = (x.strip() for x in item.rpartition("="))
         try:
             number = float(ms)
+            key = key if key in ("full", "factorized") else MethodSpec.parse(key).name
         except ValueError:
             raise bad from None
-        known = key in ("full", "factorized") or key in BENCH_METHODS
-        if not known or key in found or not 0 < number < math.inf:
+        if key in found or not 0 < number < math.inf:
             raise bad
         found[key] = number
     if "full" not in found and "ddp" not in found:
@@ -128,6 +132,8 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
     warmup_epochs: int = 1
     lr: float = 0.1
     inner_steps: int = 50  # DiLoCo methods: optimizer steps between synchronizations
+    # factorized methods' rank ratio; None: the paper's 0.25 (a user's Workload: its rank_ratio)
+    rank_ratio: float | None = None
     train_config: str = ""  # a `pufferfish train` TOML for every other option of the runs
 
     def validate(self) -> None:
@@ -144,6 +150,9 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
             self._validate_links()
         for option in HOOK_OPTIONS:
             option.check(getattr(self, option.key))
+        if self.rank_ratio is not None and not 0 < self.rank_ratio <= 1:
+            raise ValueError(f"rank_ratio {self.rank_ratio!r} is invalid: allowed a number in "
+                             "(0, 1]")
         for name in ("steps", "compute_steps", "batch_size", "epochs", "rounds", "inner_steps",
                      "seq_len", "vocab_size"):
             if getattr(self, name) < 1:
@@ -153,16 +162,7 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
         self._validate_grad_accum()
         parse_bucket_mb(self.bucket_mb)
         self._validate_amp()
-        if self.powersgd_start_iter < 2:
-            raise ValueError(
-                f"powersgd_start_iter {self.powersgd_start_iter} is invalid: allowed >= 2 "
-                "(DDP re-buckets after step 1, and PowerSGD's memory must follow)"
-            )
-        if any("powersgd" in m for m in self.methods) and self.warmup < self.powersgd_start_iter:
-            raise ValueError(
-                f"warmup {self.warmup} is invalid: allowed >= powersgd_start_iter "
-                f"({self.powersgd_start_iter}), so that timed PowerSGD steps compress"
-            )
+        self._validate_powersgd()
         if self.warmup < 2:
             raise ValueError(f"warmup {self.warmup} is invalid: allowed >= 2 (DDP rebuilds its "
                              "buckets after its first step, which must not be timed)")
@@ -202,6 +202,41 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
                 f"Fashion-MNIST directory {str(data)!r} does not exist: install the Debian "
                 "package dataset-fashion-mnist or pass --data-dir"
             )
+
+    def _validate_powersgd(self) -> None:
+        """PowerSGD's start step, global and each variant's: after DDP re-buckets, and within
+        the warm-up, so that the timed steps compress."""
+        starts = [self.powersgd_start_iter] + [
+            self.settings_of(m).powersgd_start_iter for m in self.methods
+            if hook_for(m)[1] == "powersgd"]
+        start = next((s for s in starts if s < 2), None)
+        if start is not None:
+            raise ValueError(
+                f"powersgd_start_iter {start} is invalid: allowed >= 2 "
+                "(DDP re-buckets after step 1, and PowerSGD's memory must follow)"
+            )
+        if len(starts) > 1 and self.warmup < max(starts[1:]):
+            raise ValueError(
+                f"warmup {self.warmup} is invalid: allowed >= powersgd_start_iter "
+                f"({max(starts[1:])}), so that timed PowerSGD steps compress"
+            )
+
+    def settings_of(self, method: str) -> BenchConfig:
+        """This configuration as ``method`` runs it: its own settings (``powersgd:rank=2``) over
+        the global flags."""
+        return MethodSpec.parse(method).applied(self)
+
+    def method_settings(self) -> dict[str, dict[str, Any]]:
+        """Every method's settings as measured (its own over the global flags), for results.json:
+        ``{"powersgd:rank=1": {"powersgd_rank": 1, "powersgd_start_iter": 2}, ...}``; a rank ratio
+        of None is the user's Workload's own."""
+        out: dict[str, dict[str, Any]] = {}
+        for m in self.methods:
+            mine = self.settings_of(m)
+            keys = [s.flat for s in setting_keys(base_of(m)).values()]
+            out[m] = {k: rank_ratio_of(mine) if k == "rank_ratio" else getattr(mine, k)
+                      for k in keys}
+        return out
 
     def _validate_links(self) -> None:
         """``--bandwidth`` and ``--workers``: the links this bench emulates and its groups."""
@@ -252,13 +287,14 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
             raise ValueError(f"--model {self.model!r}: --train and --accuracy-runs train our "
                              f"models ({', '.join(image_models())}); your model: step times only")
         for m in self.methods:
-            hook_for(m)
-            if m == "galore" or m in FSDP_METHODS:
+            if base_of(m) == "galore" or base_of(m) in FSDP_METHODS:
                 raise ValueError(f"method {m!r} is invalid with your model {self.model!r}: "
                                  "allowed the DDP and DiLoCo methods")
         if self.from_results:
             return  # measured before: nothing is built
-        check_workload(self.model, self.seq_len, any(hook_for(m)[0] for m in self.methods))
+        factorized = [m for m in self.methods if hook_for(m)[0]]
+        check_workload(self.model, self.seq_len, bool(factorized),
+                       [rank_ratio_of(self.settings_of(m)) for m in factorized])
 
     def _validate_grad_accum(self) -> None:
         """``--grad-accum``: step timing only; the time-to-accuracy runs count steps of one
@@ -275,29 +311,33 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
         """``--amp``: a known precision, and none that a method cannot take."""
         if self.amp not in AMP_CHOICES:
             raise ValueError(f"--amp {self.amp!r} is invalid: allowed {', '.join(AMP_CHOICES)}")
-        if self.amp == "fp16" and "signum" in self.methods:
+        if self.amp == "fp16" and "signum" in map(base_of, self.methods):
             raise ValueError("--amp fp16 is invalid with method 'signum' (its +-1 votes ignore "
                              "the GradScaler's loss scale): allowed --amp bf16 or none")
-        sharded = [m for m in self.methods if m in FSDP_METHODS]
+        sharded = [m for m in self.methods if base_of(m) in FSDP_METHODS]
         if self.amp != "none" and sharded:
             raise ValueError(f"--amp {self.amp} is invalid with {sharded[0]} (the FSDP2 bench "
                              "times full precision): allowed --amp none")
 
     def _validate_methods(self) -> None:
-        """``--methods``: known, each once, and compared with one optimizer per workload."""
+        """``--methods``: known, with settings their methods take (names made canonical), each
+        once, and compared with one optimizer per workload."""
         if not self.methods:
             raise ValueError("--methods is empty: allowed a comma-separated list of "
                              + ", ".join(BENCH_METHODS))
+        given = list(self.methods)
+        self.methods = [MethodSpec.parse(m).name for m in given]
         for m in self.methods:
-            hook_for(m)
-        if "galore" in self.methods and (is_user_model(self.model)
+            if self.methods.count(m) > 1:
+                twice = [t for t, n in zip(given, self.methods, strict=True) if n == m]
+                raise ValueError(f"--methods {','.join(given)!r} names method {m!r} twice"
+                                 + (f" ({' and '.join(twice)})" if len(set(twice)) > 1 else ""))
+        if "galore" in map(base_of, self.methods) and (is_user_model(self.model)
                                          or optimizer_name(self.model) != "adamw"):
             raise ValueError(f"method 'galore' is invalid with model {self.model!r}: GaLore's "
                              "AdamW would race the image models' SGD; allowed with "
                              f"{', '.join(adamw_models())} (every method there steps with "
                              "AdamW)")
-        if len(set(self.methods)) != len(self.methods):
-            raise ValueError(f"--methods {','.join(self.methods)!r} names a method twice")
 
     def _validate_fsdp(self) -> None:
         """``--parallel`` and the FSDP2 methods: what ``pufferfish train --parallel fsdp``
@@ -306,7 +346,7 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
             raise ValueError(f"--parallel {self.parallel!r} is invalid: allowed ddp, fsdp")
         if self.parallel == "fsdp":
             parallel_methods(self.methods, "fsdp")  # every method has an FSDP2 version
-        sharded = [m for m in self.methods if m in FSDP_METHODS]
+        sharded = [m for m in self.methods if base_of(m) in FSDP_METHODS]
         if not sharded:
             return
         if self.compile:
@@ -359,7 +399,8 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
                                       batch_size=self.batch_size,
                                       powersgd_rank=self.powersgd_rank, workers=self.workers,
                                       processes=self.accuracy_processes,
-                                      inner_steps=self.inner_steps)
+                                      inner_steps=self.inner_steps,
+                                      rank_ratio=rank_ratio_of(self))
 
     def epochs_per_method(self) -> dict[str, int]:
         """``--train``'s epochs for each of ``methods``: ``--method-epochs`` over ``--epochs``
@@ -395,19 +436,21 @@ def parallel_methods(methods: list[str], parallel: str) -> list[str]:
         return list(methods)
     out = []
     for m in methods:
-        if m not in FSDP_METHODS and m not in FSDP_VERSIONS:
+        base = base_of(m)
+        if base not in FSDP_METHODS and base not in FSDP_VERSIONS:
             raise ValueError(
                 f"method {m!r} is invalid with --parallel fsdp: allowed "
                 f"{', '.join(FSDP_VERSIONS)} (measured as {', '.join(FSDP_VERSIONS.values())}), "
                 "or --parallel ddp")
-        out.append(FSDP_VERSIONS.get(m, m))
+        out.append(m if base in FSDP_METHODS else
+                   MethodSpec.parse(m).with_base(FSDP_VERSIONS[base]).name)
     return out
 
 
 # Settings that describe a measurement, taken from the results when reused.
 _MEASURED = ("model", "width", "methods", "parallel", "bandwidths", "workers", "steps", "warmup",
              "compute_steps", "batch_size", "grad_accum", *(option.key for option in HOOK_OPTIONS), "threads",
-             "rounds", "channels_last", "compile", "amp", "bucket_mb", "inner_steps", "seq_len",
+             "rounds", "channels_last", "compile", "amp", "bucket_mb", "inner_steps", "rank_ratio", "seq_len",
              "vocab_size", "torchrun")
 
 

@@ -13,7 +13,7 @@ from .config import (
     parallel_methods,
 )
 from .launched import torchrun_links, under_torchrun
-from .step import BENCH_METHODS, FSDP_VERSIONS, HOOK_OPTIONS
+from .methods import BENCH_METHODS, FSDP_VERSIONS, HOOK_OPTIONS
 from .workload import image_models, lm_models
 
 __all__ = ["add_arguments", "config_from_args"]
@@ -43,7 +43,13 @@ def _model_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
     ap.add_argument("--width", type=float, default=d.width, help="channel multiplier")
     ap.add_argument("--methods", default=",".join(d.methods),
                     help=f"comma-separated, from: {', '.join(BENCH_METHODS)} (with --parallel "
-                         "fsdp the default is ddp,pufferfish)")
+                         "fsdp the default is ddp,pufferfish); each may carry its own settings, "
+                         "METHOD:KEY=VALUE[:KEY=VALUE...], e.g. powersgd:rank=1,powersgd:rank=8,"
+                         "pufferfish:rank_ratio=0.125 (keys: the hook's options without its "
+                         "prefix, rank_ratio, inner_steps; docs/usage.md)")
+    ap.add_argument("--rank-ratio", type=float, default=d.rank_ratio,
+                    help="rank ratio of the factorized methods (default: 0.25, the paper's; "
+                         "your Workload: its own rank_ratio); a method's rank_ratio= wins")
     ap.add_argument("--parallel", choices=("ddp", "fsdp"), default=d.parallel,
                     help="fsdp: measure the FSDP2 versions of --methods ddp,pufferfish "
                          "(fsdp, pufferfish+fsdp; no other method has one); to compare both "
@@ -173,7 +179,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         method_epochs=args.method_epochs,
         warmup_epochs=args.warmup_epochs, train_subset=args.train_subset,
         val_subset=args.val_subset, test_subset=args.test_subset, lr=args.lr, train_config=args.train_config,
-        inner_steps=args.inner_steps,
+        inner_steps=args.inner_steps, rank_ratio=args.rank_ratio,
         rounds=args.rounds,
         accuracy_runs=args.accuracy_runs, accuracy_processes=args.accuracy_processes,
         compute_ms=args.compute_ms,

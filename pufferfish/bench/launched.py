@@ -31,10 +31,10 @@ import torch.distributed as dist
 from ..distributed.env import cleanup
 from . import _probe
 from .bandwidth import TORCHRUN_LINK, format_bps
+from .methods import FSDP_METHODS, base_of
 from .probe import ProbeResult, probe_result
 from .rounds import round_plan
 from .step import (  # the step worker's own protocol
-    FSDP_METHODS,
     _parser,
     _record,
     _steps_batches,
@@ -87,7 +87,7 @@ def measure_in_group(methods: Sequence[str], rounds: int, step_flags: Sequence[s
     that a method is measured exactly as in the bench's own worker groups. Every rank returns
     ``{"links", "order", "rounds", "skipped", "failures"}``; only rank 0's records are filled."""
     args = _parser().parse_args(list(step_flags))
-    device, backend = launched_device(args.device, any(m in FSDP_METHODS for m in methods))
+    device, backend = launched_device(args.device, any(base_of(m) in FSDP_METHODS for m in methods))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     finished = False
     try:

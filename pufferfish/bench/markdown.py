@@ -16,10 +16,11 @@ from . import accuracy as acc
 from . import projection as proj
 from .bandwidth import format_bps
 from .config import BenchConfig, results_path
+from .methods import MethodSpec, base_of
 from .rounds import spread
 from .usermodel import is_user_model
 from .verdict import verdict_markdown
-from .workload import is_lm
+from .workload import is_lm, rank_ratio_of
 
 __all__ = ["results_markdown", "train_markdown"]
 
@@ -69,8 +70,11 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
         f"{platform.platform()}. PowerSGD rank {cfg.powersgd_rank} (compressing from step "
         f"{cfg.powersgd_start_iter}), top-k ratio {cfg.topk_ratio}, signum beta "
         f"{cfg.signum_beta}; pufferfish = "
-        + ("the workload's keep / preset / rank_ratio (the factorization report is in the log)."
-           if is_user_model(cfg.model) else "the paper preset at rank ratio 0.25."),
+        + ("the workload's keep / preset / rank_ratio (the factorization report is in the log)"
+           + ("" if cfg.rank_ratio is None else f" at rank ratio {cfg.rank_ratio:g}")
+           if is_user_model(cfg.model)
+           else f"the paper preset at rank ratio {rank_ratio_of(cfg):g}")
+        + _variants(cfg),
         "",
         "Each round runs one worker group per link that measures every method in turn; the "
         "order of links and of methods rotates from round to round (below). Per round: step = "
@@ -120,6 +124,15 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
     if plots:
         lines += ["", *[f"![{p.stem}]({p.name})" for p in plots]]
     return "\n".join(lines) + "\n"
+
+
+def _variants(cfg: BenchConfig) -> str:
+    """The sentence on methods measured with their own settings (``powersgd:rank=1``), if any."""
+    own = [m for m in cfg.methods if ":" in m]
+    if not own:
+        return "."
+    return (f". Measured with their own settings (over the values above): {', '.join(own)}; "
+            "each row is named by its method and settings.")
 
 
 def _verdict_lines(result: dict[str, Any]) -> list[str]:
@@ -217,15 +230,16 @@ def _sharded_markdown(rows: list[dict[str, Any]], rounds: list[dict[str, Any]]) 
     ]
     table = []
     for r in sharded:
+        same = MethodSpec.parse(r["method"]).with_base("pufferfish" if r["factorized"] else "ddp")
         dense = next((x for x in rows if x["bandwidth"] == r["bandwidth"]
-                      and x["method"] == ("pufferfish" if r["factorized"] else "ddp")), None)
+                      and x["method"] == same.name), None)
         vs_ddp = ("-" if dense is None
                   else f"{r['ring_bytes_per_step'] / dense['ring_bytes_per_step']:.2f}x")
         speed = "-" if r["speedup_vs_ddp"] is None else (
             f"{r['speedup_vs_ddp']:.2f}x [{r['spread']['speedup_vs_ddp'][0]:.2f}–"
             f"{r['spread']['speedup_vs_ddp'][1]:.2f}]")
-        gain = _round_ratio(rounds, r["bandwidth"], "fsdp", "pufferfish+fsdp") \
-            if r["method"] == "pufferfish+fsdp" else "-"
+        gain = _round_ratio(rounds, r["bandwidth"], "fsdp", r["method"]) \
+            if base_of(r["method"]) == "pufferfish+fsdp" else "-"
         table.append([r["method"], r["bandwidth"], *(f"{r[k] / 1e6:.3f}" for k in (
             "all_gather_bytes_per_step", "reduce_scatter_bytes_per_step")),
             f"{r['collectives_per_step']:.0f}", f"{r['ring_bytes_per_step'] / 1e6:.3f}", vs_ddp,

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..distributed.hooks import hook_family
-from .step import BENCH_METHODS, FSDP_METHODS, hook_for
+from .methods import BENCH_METHODS, FSDP_METHODS, base_of, hook_for
 
 __all__ = [
     "ALLGATHER_METHODS",
@@ -104,8 +104,9 @@ class CommProfile:
         collectives: float = 1.0,
     ) -> CommProfile:
         """Profile with the collective kind the method's hook (or FSDP2) uses."""
-        kind: Kind = ("sharded" if method in FSDP_METHODS
-                      else "allgather" if method in ALLGATHER_METHODS else "allreduce")
+        base = base_of(method)  # a variant (powersgd:rank=2) sends as its method does
+        kind: Kind = ("sharded" if base in FSDP_METHODS
+                      else "allgather" if base in ALLGATHER_METHODS else "allreduce")
         return cls(method, compute_time, compress_time, payload_bytes, collectives, kind)
 
     def latency_term(self, p: int, alpha: float) -> float:
@@ -127,7 +128,7 @@ class CommProfile:
 def projected_payload(record: dict[str, object]) -> float:
     """The ``payload_bytes`` of a measured record's profile: its ``bytes_per_step``, or for FSDP2
     the unsharded bytes its rings moved, ``ring_bytes_per_step x p/(p-1)`` (independent of p)."""
-    if record["method"] not in FSDP_METHODS:
+    if base_of(str(record["method"])) not in FSDP_METHODS:
         return float(record["bytes_per_step"])  # type: ignore[arg-type]
     p = float(record["workers"])  # type: ignore[arg-type]
     return float(record["ring_bytes_per_step"]) * p / (p - 1)  # type: ignore[arg-type]

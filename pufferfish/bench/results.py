@@ -13,6 +13,7 @@ from . import accuracy as acc
 from . import projection as proj
 from .accuracy import time_to_accuracy
 from .config import BenchConfig, parse_compute_ms
+from .methods import MethodSpec
 from .verdict import verdict
 
 __all__ = ["project", "time_to_accuracy_result", "train_summary"]
@@ -23,12 +24,14 @@ def _profile(method: str, recs: list[dict[str, Any]],
     """A method's profile for the projection.
 
     ``compute_time`` is the median over every record of the same model (full-rank or
-    factorized; DDP's or FSDP2's), at every bandwidth: compute-only steps run no hook, so ddp, fp16,
-    powersgd, signum and topk do identical work there, and pooling them damps the noise of
-    a shared machine. ``compress_time`` is the median of the method's own records.
+    factorized, at a variant's own ``rank_ratio``; DDP's or FSDP2's), at every bandwidth:
+    compute-only steps run no hook, so ddp, fp16, powersgd, signum and topk do identical work
+    there, and pooling them damps the noise of a shared machine. ``compress_time`` is the median
+    of the method's own records.
     """
-    def layout(r: dict[str, Any]) -> tuple[bool, str]:  # FSDP2's model is not channels_last
-        return r["factorized"], r.get("parallel", "ddp")
+    def layout(r: dict[str, Any]) -> tuple[bool, str, Any]:  # FSDP2's model: not channels_last
+        return (r["factorized"], r.get("parallel", "ddp"),
+                MethodSpec.parse(r["method"]).flat.get("rank_ratio"))
 
     same_model = [r["compute_time"] for r in all_recs if layout(r) == layout(recs[0])]
     return proj.CommProfile.for_method(

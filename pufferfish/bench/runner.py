@@ -80,15 +80,16 @@ from .config import (
 from .flags import add_arguments, config_from_args
 from .launched import is_rank0, measure_in_group
 from .markdown import results_markdown, train_markdown
+from .methods import HOOK_OPTIONS, hook_for, parallel_for, sync_for
 from .netns import EmulatedLink, cleanup_stale, netem_available, netns_available
 from .plots import plot_results
 from .probe import ProbeResult, measure_link
 from .progress import TrainingProgress, measuring
 from .results import project, time_to_accuracy_result, train_summary
 from .rounds import compute_check, round_plan, summarize
-from .step import HOOK_OPTIONS, hook_for, parallel_for, sync_for
 from .usermodel import factorization_report, is_user_model
 from .workers import WorkerTimeout, run_workers
+from .workload import rank_ratio_of
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -183,6 +184,8 @@ def _step_argv(cfg: BenchConfig, methods: list[str], out: Path, cache: Path) -> 
         argv += ["--data-dir", cfg.data_dir]
     if cfg.compile:
         argv.append("--compile")
+    if cfg.rank_ratio is not None:  # else the worker's default: 0.25, a Workload's own
+        argv += ["--rank-ratio", str(cfg.rank_ratio)]
     argv += ["--amp", cfg.amp]
     return argv
 
@@ -213,7 +216,8 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
     links = [link["bandwidth"] for link in measured["links"]]
     rows = summarize(records, links, cfg.methods)
     projection = project(rows, cfg)
-    result = {"config": {**asdict(cfg), "threads": cfg.worker_threads()}, **measured,
+    result = {"config": {**asdict(cfg), "threads": cfg.worker_threads(),
+                         "method_settings": cfg.method_settings()}, **measured,
               "rows": rows, "compute_check": compute_check(rows), "projection": projection,
               "time_to_accuracy": time_to_accuracy_result(cfg, rows, links, projection)}
     projected = (result["time_to_accuracy"] or {}).get("projected")
@@ -233,10 +237,13 @@ def _measured(cfg: BenchConfig, log: Log) -> dict[str, Any]:
     """The step times: an earlier run's (``--from-results``), measured in torchrun's processes
     (:mod:`.launched`), or by the bench's own worker groups; the user's model's factorization
     said first."""
-    if is_user_model(cfg.model) and not cfg.from_results and any(hook_for(m)[0]
-                                                                 for m in cfg.methods):
-        log(f"Pufferfish factorizes {cfg.model}:\n"
-            f"{factorization_report(cfg.model, cfg.seq_len)}")
+    if is_user_model(cfg.model) and not cfg.from_results:
+        ratios = dict.fromkeys(rank_ratio_of(cfg.settings_of(m)) for m in cfg.methods
+                               if hook_for(m)[0])
+        for ratio in ratios:
+            at = "" if ratio is None else f" at rank ratio {ratio:g}"
+            log(f"Pufferfish factorizes {cfg.model}{at}:\n"
+                f"{factorization_report(cfg.model, cfg.seq_len, ratio)}")
     if cfg.from_results:
         saved = load_results(cfg.from_results)
         log(f"step times from {results_path(cfg.from_results)} (measured, not re-run)")
@@ -370,6 +377,7 @@ def _write_outputs(cfg: BenchConfig, result: dict[str, Any], log: Log) -> None:
 def _train_argv(cfg: BenchConfig, method: str, run_dir: Path) -> list[str]:
     factorized, hook = hook_for(method)
     epochs = cfg.epochs_per_method()[method]
+    mine = cfg.settings_of(method)  # its own settings (powersgd:rank=2) over the global flags
     argv = [
         sys.executable, "-m", "pufferfish", "train", "--model", cfg.model,
         "--width", str(cfg.width), "--data", "fashion-mnist",
@@ -377,14 +385,16 @@ def _train_argv(cfg: BenchConfig, method: str, run_dir: Path) -> list[str]:
         "--epochs", str(epochs), "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr),
         "--train-subset", str(cfg.train_subset), "--val-subset", str(cfg.val_subset),
         "--test-subset", str(cfg.test_subset),
-        *_hook_flags(cfg), _channels_flag(cfg), "--bucket-mb", str(cfg.bucket_mb),
+        *_hook_flags(mine), _channels_flag(cfg), "--bucket-mb", str(cfg.bucket_mb),
         "--threads", str(cfg.worker_threads()), "--checkpoint-every-epochs", str(epochs),
         "--no-progress", "--out", str(run_dir), "--overwrite",  # a previous bench's run
     ]  # fmt: skip
     if factorized:
         argv += ["--warmup-epochs", str(cfg.warmup_epochs)]
+        if mine.rank_ratio is not None:
+            argv += ["--rank-ratio", str(mine.rank_ratio)]
     if sync_for(method) == "diloco":
-        argv += ["--sync", "diloco", "--inner-steps", str(cfg.inner_steps)]
+        argv += ["--sync", "diloco", "--inner-steps", str(mine.inner_steps)]
     if parallel_for(method) == "fsdp":
         argv += ["--parallel", "fsdp"]
     if cfg.train_config:  # its keys first; the flags above override them

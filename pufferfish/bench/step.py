@@ -4,7 +4,8 @@ Started once per rank by :mod:`pufferfish.bench.runner` (through
 :func:`pufferfish.bench.workers.run_workers`, which sets ``RANK``/``WORLD_SIZE``/
 ``MASTER_ADDR``/``MASTER_PORT`` and, on an emulated link, runs us inside a network
 namespace). The ``--methods`` are measured one after the other in the order given, each
-with a fresh model, DDP wrapper, hook and optimizer but the same minibatches; one worker
+with a fresh model, DDP wrapper, hook and optimizer but the same minibatches (a method with its
+own settings, ``powersgd:rank=2``, runs with them over the flags: :mod:`.methods`); one worker
 group per link and round thus interleaves the methods without paying process start-up per
 method. After each method rank 0 rewrites ``--out`` with the JSON list of the records so
 far; the runner reads it (a group that fails later keeps the methods it finished).
@@ -107,9 +108,23 @@ from ..data import (
 from ..distributed.buckets import BucketTuner, bucket_overrides, parse_bucket_mb
 from ..distributed.diloco import DiLoCoState
 from ..distributed.env import cleanup, exit_process
-from ..distributed.hooks import all_hook_options, hook_names, hook_options, register_comm_hook
+from ..distributed.hooks import hook_options, register_comm_hook
 from ..models import get_spec
 from ..training.step import Replica, micro_batch_groups, timed, to_device
+from .methods import (
+    BENCH_METHODS,
+    DILOCO_METHODS,
+    FSDP_METHODS,
+    FSDP_VERSIONS,
+    HOOK_DEFAULTS,
+    HOOK_OPTIONS,
+    MethodSpec,
+    base_of,
+    hook_for,
+    parallel_for,
+    parse_method_map,
+    sync_for,
+)
 from .sharded import measure_sharded
 from .usermodel import is_user_model, user_batches
 from .workload import (
@@ -121,32 +136,8 @@ from .workload import (
 )
 
 __all__ = ["BENCH_METHODS", "DILOCO_METHODS", "FSDP_METHODS", "FSDP_VERSIONS", "HOOK_DEFAULTS",
-           "HOOK_OPTIONS", "PUFFERFISH_RANK_RATIO", "amp_for", "hook_for",
-           "main", "method_options", "parallel_for", "parse_method_map", "pick_device"]
-
-# method -> (factorize the model?, comm hook): plain DDP, every registered comm hook, Pufferfish
-# with plain all-reduce and with each hook (the two compose: a smaller model, then fewer bytes
-# per parameter).
-BENCH_METHODS: dict[str, tuple[bool, str]] = {
-    "ddp": (False, "allreduce"),
-    **{hook: (False, hook) for hook in hook_names() if hook != "allreduce"},
-    "pufferfish": (True, "allreduce"),
-    "galore": (False, "allreduce"),  # full-size gradients, GaLore's optimizer
-    **{f"pufferfish+{hook}": (True, hook) for hook in hook_names() if hook != "allreduce"},
-    "diloco": (False, "allreduce"),
-    "pufferfish+diloco": (True, "allreduce"),
-    "fsdp": (False, "allreduce"),
-    "pufferfish+fsdp": (True, "allreduce"),
-}
-# Methods that synchronize with DiLoCo (`pufferfish train --sync diloco`), not DDP every step.
-DILOCO_METHODS = ("diloco", "pufferfish+diloco")
-# Methods that shard with FSDP2 (`pufferfish train --parallel fsdp`): bench/sharded.py.
-FSDP_METHODS = ("fsdp", "pufferfish+fsdp")
-FSDP_VERSIONS = {"ddp": "fsdp", "pufferfish": "pufferfish+fsdp"}  # what --parallel fsdp measures
-# The hooks' options (flags --powersgd-rank, --topk-ratio, ...) and where the bench's defaults
-# differ from training's: PowerSGD compresses from step 2, so that the timed steps compress.
-HOOK_OPTIONS = all_hook_options()
-HOOK_DEFAULTS: dict[str, Any] = {"powersgd_start_iter": 2}
+           "HOOK_OPTIONS", "PUFFERFISH_RANK_RATIO", "MethodSpec", "amp_for", "hook_for",
+           "main", "method_options", "parallel_for", "parse_method_map", "pick_device", "sync_for"]
 
 # No BatchNorm-statistics broadcast in forward (see the module docstring); newer torch
 # renamed the flag and warns about the old one.
@@ -155,46 +146,6 @@ _NO_BUFFER_SYNC = (
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     else {"broadcast_buffers": False}
 )
-
-
-def hook_for(method: str) -> tuple[bool, str]:
-    """``(factorized, hook name)`` of a benchmark method; ``ValueError`` names the allowed ones."""
-    try:
-        return BENCH_METHODS[method]
-    except KeyError:
-        raise ValueError(
-            f"unknown method {method!r}: allowed {', '.join(BENCH_METHODS)}") from None
-
-
-def sync_for(method: str) -> str:
-    """The ``--sync`` of ``pufferfish train`` a bench method trains with."""
-    return "diloco" if method in DILOCO_METHODS else "ddp"
-
-
-def parallel_for(method: str) -> str:
-    """The ``--parallel`` of ``pufferfish train`` a bench method trains with."""
-    return "fsdp" if method in FSDP_METHODS else "ddp"
-
-
-def parse_method_map(spec: str, flag: str, form: str, allowed: Sequence[str],
-                     described: str) -> dict[str, str]:
-    """``"ddp=a,pufferfish=b"`` -> ``{method: value}`` for a flag that takes one value per method.
-
-    ``ValueError`` names the bad entry: not ``form`` (e.g. ``METHOD=RUN_DIR``), a method outside
-    ``allowed`` (``described`` says which those are), or a method named twice."""
-    found: dict[str, str] = {}
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
-        method, sep, value = (x.strip() for x in item.partition("="))
-        if not sep or not method or not value:
-            raise ValueError(f"{flag} entry {item!r} is invalid: allowed {form}")
-        if method not in allowed:
-            raise ValueError(f"unknown method {method!r} in {flag}: allowed {described}")
-        if method in found:
-            raise ValueError(f"{flag} names method {method!r} twice")
-        found[method] = value
-    return found
 
 
 def method_options(hook: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -230,11 +181,11 @@ def amp_for(amp: str, device: torch.device) -> tuple[Any, Any]:
 
 
 def _method_list(text: str) -> list[str]:
-    methods = [m.strip() for m in text.split(",") if m.strip()]
-    for m in methods:
-        if m not in BENCH_METHODS:
-            raise argparse.ArgumentTypeError(
-                f"unknown method {m!r}: allowed {', '.join(BENCH_METHODS)}")
+    """``--methods`` as canonical names (settings allowed: ``powersgd:rank=2``)."""
+    try:
+        methods = [MethodSpec.parse(m).name for m in text.split(",") if m.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     if not methods:
         raise argparse.ArgumentTypeError("no method given")
     return methods
@@ -256,6 +207,8 @@ def _parser() -> argparse.ArgumentParser:
         ap.add_argument("--" + option.key.replace("_", "-"), type=option.kind,
                         default=HOOK_DEFAULTS.get(option.key, option.default))
     ap.add_argument("--inner-steps", type=int, default=50, help="DiLoCo methods: steps per sync")
+    ap.add_argument("--rank-ratio", type=float, default=None,
+                    help="factorized methods' rank ratio (default: 0.25, a Workload's own)")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data-dir", default=None)
@@ -328,10 +281,12 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any],
 
     rank = dist.get_rank()
     device = device or torch.device("cpu")
-    factorized, hook = hook_for(method)
-    if method in DILOCO_METHODS:
+    spec = MethodSpec.parse(method)
+    args = spec.applied(args)  # the variant's own settings over the global flags
+    factorized, hook = spec.factorized, spec.hook
+    if spec.base in DILOCO_METHODS:
         return _measure_diloco(args, method, minibatches, device)
-    if method in FSDP_METHODS:
+    if spec.base in FSDP_METHODS:
         return measure_sharded(args, method, factorized, minibatches)
     model, full_params = build_model(args, factorized)
     model.to(device)
@@ -437,7 +392,8 @@ def _torch_buckets_steps(replica: Replica, tuner: BucketTuner, batches: Any,
 
 def _measure_diloco(args: argparse.Namespace, method: str, minibatches: list[Any],
                     device: torch.device) -> dict[str, Any]:
-    """:func:`measure` for a DiLoCo method: local steps, and outer steps over ``--inner-steps``."""
+    """:func:`measure` for a DiLoCo method (``args`` with its own settings applied): local steps,
+    and outer steps over ``--inner-steps``."""
     factorized, hook = hook_for(method)
     model, full_params = build_model(args, factorized)
     model.to(device)
@@ -548,7 +504,7 @@ def _device(args: argparse.Namespace) -> tuple[torch.device, str]:
     shared-memory and peer-to-peer paths are switched off, so that its traffic crosses the link."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-    cpu_only = any(m in FSDP_METHODS for m in args.methods)
+    cpu_only = any(base_of(m) in FSDP_METHODS for m in args.methods)
     device, backend = pick_device("cpu" if cpu_only else args.device, local, world,
                                   torch.cuda.device_count())
     if backend == "nccl" and os.environ.get("MASTER_ADDR", "127.0.0.1") not in (

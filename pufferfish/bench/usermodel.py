@@ -42,8 +42,9 @@ class Workload:
     """What ``pufferfish bench`` measures on your model: every method trains ``model`` on
     ``make_batch(batch_size)`` (one process's ``(inputs, targets)``; ``inputs`` a tensor, a tuple
     of positional arguments or a dict of keyword arguments) with ``loss(outputs, targets)``, a
-    scalar tensor. Pufferfish factorizes ``model`` at ``rank_ratio``, keeping the modules whose
-    qualified names match ``keep`` (glob patterns) or the model's ``preset`` full rank."""
+    scalar tensor. Pufferfish factorizes ``model`` at ``rank_ratio`` (unless the bench's
+    ``--rank-ratio`` or a method's ``rank_ratio=`` setting says otherwise), keeping the modules
+    whose qualified names match ``keep`` (glob patterns) or the model's ``preset`` full rank."""
 
     model: nn.Module
     make_batch: Callable[[int], tuple[Any, Any]]
@@ -150,10 +151,12 @@ def _hf_workload(ref: str, config_path: str, seq_len: int) -> Workload:
     return Workload(model=model, make_batch=make_batch, loss=loss, preset=preset)
 
 
-def check_workload(ref: str, seq_len: int, factorized: bool) -> None:
+def check_workload(ref: str, seq_len: int, factorized: bool,
+                   rank_ratios: Sequence[float | None] = (None,)) -> None:
     """Before any process starts: ``ref`` loads, one step of batch 2 (``make_batch``, the model,
     ``loss``) gives a scalar, and, if a method is ``factorized``, Pufferfish finds layers to
-    factorize. ``ValueError`` in one line naming what failed."""
+    factorize at each of ``rank_ratios`` (None: the workload's own). ``ValueError`` in one line
+    naming what failed."""
     workload = load_workload(ref, seq_len)
     model = copy.deepcopy(workload.model)
     try:
@@ -167,32 +170,39 @@ def check_workload(ref: str, seq_len: int, factorized: bool) -> None:
                          f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))}, "
                          "allowed a scalar tensor")
     if factorized:
-        factorization_report(ref, seq_len)
+        for ratio in dict.fromkeys(rank_ratios):
+            factorization_report(ref, seq_len, ratio)
 
 
-def build_user_model(ref: str, seq_len: int, factorized: bool) -> tuple[nn.Module, int]:
+def build_user_model(ref: str, seq_len: int, factorized: bool,
+                     rank_ratio: float | None = None) -> tuple[nn.Module, int]:
     """A fresh copy of the workload's model (factorized as :func:`factorization_report` says when
-    ``factorized``) carrying its loss, and its full-rank parameter count."""
+    ``factorized``, at ``rank_ratio`` or the workload's own) carrying its loss, and its full-rank
+    parameter count."""
     workload = load_workload(ref, seq_len)
     model = copy.deepcopy(workload.model)
     full = sum(p.numel() for p in model.parameters())
     if factorized:
-        _factorize(ref, workload, model)
+        _factorize(ref, workload, model, rank_ratio)
     setattr(model, LOSS_ATTR, workload.loss)
     return model, full
 
 
-def factorization_report(ref: str, seq_len: int = 64) -> FactorizationReport:
-    """What Pufferfish makes of the workload's model (on a copy); ``ValueError`` if nothing."""
+def factorization_report(ref: str, seq_len: int = 64,
+                         rank_ratio: float | None = None) -> FactorizationReport:
+    """What Pufferfish makes of the workload's model (on a copy) at ``rank_ratio`` (None: the
+    workload's own); ``ValueError`` if nothing."""
     workload = load_workload(ref, seq_len)
-    return _factorize(ref, workload, copy.deepcopy(workload.model))
+    return _factorize(ref, workload, copy.deepcopy(workload.model), rank_ratio)
 
 
-def _factorize(ref: str, workload: Workload, model: nn.Module) -> FactorizationReport:
+def _factorize(ref: str, workload: Workload, model: nn.Module,
+               rank_ratio: float | None = None) -> FactorizationReport:
+    ratio = workload.rank_ratio if rank_ratio is None else rank_ratio
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "changed nothing" is refused below, in one line
-            report = factorize(model, rank_ratio=workload.rank_ratio, keep=workload.keep,
+            report = factorize(model, rank_ratio=ratio, keep=workload.keep,
                                preset=workload.preset)
     except ValueError as e:  # a keep pattern that matches nothing, an unknown preset
         raise ValueError(f"--model {ref!r}: {e}") from None

@@ -25,7 +25,8 @@ from ..training.step import Replica, train_step
 from .usermodel import LOSS_ATTR, build_user_model, call_model, is_user_model, load_workload
 
 __all__ = ["PUFFERFISH_RANK_RATIO", "adamw_models", "build_model", "image_models", "is_lm", "lm_models",
-           "make_optimizer", "optimizer_name", "quartiles", "timed", "train_one_step"]
+           "make_optimizer", "optimizer_name", "quartiles", "rank_ratio_of", "timed",
+           "train_one_step"]
 
 PUFFERFISH_RANK_RATIO = 0.25  # the paper's ratio, with the model's "paper" preset
 
@@ -51,20 +52,31 @@ def image_models() -> tuple[str, ...]:
     return tuple(n for n in model_names() if not get_spec(n).is_lm)
 
 
+def rank_ratio_of(args: Any) -> float | None:
+    """The rank ratio a factorized method of ``args`` (flags or config, a variant's applied)
+    uses: ``--rank-ratio``, else the paper's 1/4 for our models and None (the Workload's own
+    ``rank_ratio``) for the user's."""
+    ratio = getattr(args, "rank_ratio", None)
+    if ratio is not None:
+        return float(ratio)
+    return None if is_user_model(args.model) else PUFFERFISH_RANK_RATIO
+
+
 def build_model(args: argparse.Namespace, factorized: bool) -> tuple[nn.Module, int]:
-    """The model (factorized for Pufferfish methods) and its full-rank parameter count; in
-    ``--channels-last`` memory order and compiled when ``args`` say so."""
+    """The model (factorized for Pufferfish methods, at :func:`rank_ratio_of`) and its full-rank
+    parameter count; in ``--channels-last`` memory order and compiled when ``args`` say so."""
 
     torch.manual_seed(args.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
     if is_user_model(args.model):  # --model PATH.py:FUNC, module:FUNC, hf:CONFIG: usermodel.py
-        model, full = build_user_model(args.model, args.seq_len, factorized)
+        model, full = build_user_model(args.model, args.seq_len, factorized,
+                                       rank_ratio_of(args))
         return _prepared(args, model), full
     # The LMs on KJV tokens, the image models on Fashion-MNIST's 28x28 grey images.
     model = build_at_width(args.model, args.width, vocab_size=args.vocab, max_len=args.seq_len,
                            num_classes=10, in_channels=1, image_size=28)
     full = count_params(model)
     if factorized:
-        factorize(model, rank_ratio=PUFFERFISH_RANK_RATIO, preset="paper")
+        factorize(model, rank_ratio=rank_ratio_of(args), preset="paper")
     return _prepared(args, model), full
 
 
@@ -92,15 +104,18 @@ def make_optimizer(args: argparse.Namespace, method: str,
     the method differs between rows: built by the training loop's
     :func:`~pufferfish.training.optim.build_optimizer` (AdamW: decay / no-decay groups). ``galore``
     (language models only: ``BenchConfig`` refuses it with SGD's image models) steps with GaLore's
-    own AdamW, the same LR, betas, epsilon and weight decay, projected at the Pufferfish ranks."""
+    own AdamW, the same LR, betas, epsilon and weight decay, projected at the Pufferfish ranks
+    (:func:`rank_ratio_of`). ``method`` may carry settings (``galore:rank_ratio=0.5``)."""
+    galore = method.partition(":")[0] == "galore"
     # Only the optimizer settings are read (the user's workload: TrainConfig's default model
     # stands in for it).
     model_fields = {} if is_user_model(args.model) else {
         "model": args.model, "data": "kjv" if is_lm(args.model) else "fashion-mnist"}
     cfg = TrainConfig(optimizer=optimizer_name(args.model, args.seq_len), lr=args.lr,
-                      momentum=0.9, weight_decay=1e-4, rank_ratio=str(PUFFERFISH_RANK_RATIO),
-                      mode="galore" if method == "galore" else "full", **model_fields)
-    if method == "galore":
+                      momentum=0.9, weight_decay=1e-4,
+                      rank_ratio=str(rank_ratio_of(args) or PUFFERFISH_RANK_RATIO),
+                      mode="galore" if galore else "full", **model_fields)
+    if galore:
         return galore_optimizer(model, galore_ranks(model, cfg), cfg)
     return build_optimizer(cfg, [{"params": list(model.parameters()),
                                   "weight_decay": cfg.weight_decay}], model)
