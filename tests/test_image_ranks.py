@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from pufferfish.bench.methods import MethodSpec
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import image_ranks  # noqa: E402
@@ -56,6 +58,9 @@ def test_phases_follow_what_each_run_trained(tmp_path: Path) -> None:
     needed = {m for method in (*image_ranks.METHODS, "puff-psgd")
               for _, m in image_ranks.phases(method, path)}
     assert needed <= set(image_ranks.bench_methods(2))
+    # each is a bench method in its canonical form: the name its results.json row carries
+    assert [MethodSpec.parse(m).name for m in image_ranks.bench_methods(2)] == \
+        image_ranks.bench_methods(2)
 
 
 def test_the_verdict_picks_on_validation_and_judges_on_test_by_worst_rounds(
