@@ -22,9 +22,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from pufferfish.bench.methods import BENCH_METHODS as METHODS
 from pufferfish.bench.projection import ALLGATHER_METHODS
 from pufferfish.bench.runner import BenchConfig
-from pufferfish.bench.step import BENCH_METHODS as METHODS
 from pufferfish.config import ConfigError, TrainConfig
 from pufferfish.configfile import FIELDS, field_kind, load_config
 from pufferfish.distributed.env import cleanup, exit_process

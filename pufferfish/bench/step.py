@@ -111,19 +111,16 @@ from ..distributed.env import cleanup, exit_process
 from ..distributed.hooks import hook_options, register_comm_hook
 from ..models import get_spec
 from ..training.step import Replica, micro_batch_groups, timed, to_device
-from .methods import (
+from .methods import (  # the methods' one home; step.py measures them
     BENCH_METHODS,
     DILOCO_METHODS,
     FSDP_METHODS,
-    FSDP_VERSIONS,
     HOOK_DEFAULTS,
     HOOK_OPTIONS,
     MethodSpec,
     base_of,
     hook_for,
     parallel_for,
-    parse_method_map,
-    sync_for,
 )
 from .sharded import measure_sharded
 from .usermodel import is_user_model, user_batches
@@ -135,9 +132,7 @@ from .workload import (
     train_one_step,
 )
 
-__all__ = ["BENCH_METHODS", "DILOCO_METHODS", "FSDP_METHODS", "FSDP_VERSIONS", "HOOK_DEFAULTS",
-           "HOOK_OPTIONS", "PUFFERFISH_RANK_RATIO", "MethodSpec", "amp_for", "hook_for",
-           "main", "method_options", "parallel_for", "parse_method_map", "pick_device", "sync_for"]
+__all__ = ["PUFFERFISH_RANK_RATIO", "amp_for", "main", "method_options", "pick_device"]
 
 # No BatchNorm-statistics broadcast in forward (see the module docstring); newer torch
 # renamed the flag and warns about the old one.
