@@ -46,7 +46,7 @@ def _model_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
                          "fsdp the default is ddp,pufferfish); each may carry its own settings, "
                          "METHOD:KEY=VALUE[:KEY=VALUE...], e.g. powersgd:rank=1,powersgd:rank=8,"
                          "pufferfish:rank_ratio=0.125 (keys: the hook's options without its "
-                         "prefix, rank_ratio, inner_steps; docs/usage.md)")
+                         "prefix, rank_ratio, inner_steps)")
     ap.add_argument("--rank-ratio", type=float, default=d.rank_ratio,
                     help="rank ratio of the factorized methods (default: 0.25, the paper's; "
                          "your Workload: its own rank_ratio); a method's rank_ratio= wins")

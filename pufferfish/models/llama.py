@@ -64,7 +64,7 @@ def llama_advice() -> str:
     return (f"llama: lr and method chosen on validation by the budget study ({measured}); "
             "between measured widths the LR is interpolated on a log scale, beyond them scaled "
             "as 1/width and the method taken from the nearest measured width: not measured "
-            "there (docs/benchmarks.md, 'Language models at a budget')")
+            "there")
 
 
 def _width(values: Mapping[str, Any]) -> float:
