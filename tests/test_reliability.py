@@ -595,6 +595,5 @@ def test_a_moved_run_directory_resumes_automatically_from_its_new_place(
     assert code == 0, err
     assert f"resumed from {new / 'checkpoints' / 'ckpt-000000004.pt'}" in out
     # Anything else of substance is still refused.
-    code, _, err = cli(["train", *args, "--lr", "0.01", "--out", str(new), "--resume", "auto"],
-                       capsys)
+    code, _, err = cli(["train", *args, "--lr", "0.01", "--out", str(new), "--resume", "auto"], capsys)
     assert code == 2 and "lr: checkpoint has" in err
