@@ -33,6 +33,7 @@ import json
 import math
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import sweep  # benchmarks/ is not a package: its folder on the path
@@ -142,9 +143,7 @@ def phases(method: str, path: Path) -> list[tuple[float, str]]:
 
 
 def _config_rank(path: Path) -> int:
-    text = (path / "config.toml").read_text()
-    return int(next(line.split("=")[1] for line in text.splitlines()
-                    if line.startswith("powersgd_rank")))
+    return int(tomllib.loads((path / "config.toml").read_text())["powersgd_rank"])
 
 
 def _rows(path: Path) -> list[dict]:
