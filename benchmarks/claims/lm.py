@@ -177,13 +177,24 @@ def budget_claim(cache: Path) -> dict:
         "the seed spread, and Pufferfish recovers ≥ half of that gap", met,
         {m: e for m, e in per.items() if e["seeds"]},
         f"python benchmarks/lm_budget.py summary {out}", [out] if rows else [],
-        f"llama width {lm_budget.WIDTH:g} only ({_width_note(out)}); kjv+gcide; LRs and "
+        f"{_widths(out)} ({_width_note(out)}); kjv+gcide; LRs and "
         "Pufferfish's setting chosen "
         f"on validation at {at:g} tokens/param, seed 0, and reported on test; a rule on max − min "
         f"of {seeds} seeds is blind to differences under twice that spread.",
         "validation", ("LM budget study (llama ⅛, kjv+gcide)", "–", ours,
                        f"[budget study]({DOCS}#language-models-at-a-budget-does-the-warm-up-"
                        "matter-at-20-tokens-per-parameter)"))
+
+
+def _widths(out: Path) -> str:
+    """The llama widths the study's verdicts cover: width 0.125, and 0.25 once its rule has
+    answered."""
+    import lm_budget
+    import lm_width
+
+    wide = out.is_dir() and lm_width.verdict(out) is not None
+    return (f"llama widths {lm_budget.WIDTH:g} and {lm_width.WIDE:g}" if wide
+            else f"llama width {lm_budget.WIDTH:g} only")
 
 
 def _width_note(out: Path) -> str:
