@@ -69,13 +69,12 @@ class PufferfishMethod(FullRankMethod):
             return None
         return self._switch(epoch, model, f"epoch {epoch}", {})
 
-    def on_step_start(self, epoch: int, step: int, steps: int, model: nn.Module) -> Change | None:
-        """A switch in steps (``warmup_steps``, a share of a 1-epoch run), mid-epoch, where the
-        schedule puts it (:meth:`~pufferfish.switch.SwitchSchedule.switch_step`)."""
+    def check_steps(self, steps_per_epoch: int) -> None:
+        """A switch in steps must fall before the run's last optimizer step."""
         if not self.schedule.in_steps or self.switch.switched:
-            return None
-        total = self.cfg.epochs * steps
-        at = self.schedule.switch_step(steps)
+            return
+        total = self.cfg.epochs * steps_per_epoch
+        at = self.schedule.switch_step(steps_per_epoch)
         if at is None or at >= total:
             given = (f"warmup_steps {self.cfg.warmup_steps:g}" if self.cfg.warmup_steps else
                      f"warmup_epochs {self.cfg.warmup_epochs} (step {at})")
@@ -83,6 +82,13 @@ class PufferfishMethod(FullRankMethod):
                               f"{total} optimizer steps in the run: allowed a switch before the "
                               "last step" + (" (under DiLoCo, on an outer step)"
                                              if self.cfg.sync == "diloco" else ""))
+
+    def on_step_start(self, epoch: int, step: int, steps: int, model: nn.Module) -> Change | None:
+        """A switch in steps (``warmup_steps``, a share of a 1-epoch run), mid-epoch, where the
+        schedule puts it (:meth:`~pufferfish.switch.SwitchSchedule.switch_step`)."""
+        if not self.schedule.in_steps or self.switch.switched:
+            return None
+        self.check_steps(steps)
         global_step = epoch * steps + step
         if not self.schedule.due_at_step(global_step, steps):
             return None

@@ -146,12 +146,19 @@ def test_bad_optimizer_input_exits_2(args: list[str], message: str) -> None:
     assert result.stderr.count("\n") == 1 and message in result.stderr
 
 
-def test_warmup_steps_past_the_run_exits_2(tmp_path: Path) -> None:
+def test_warmup_steps_past_the_run_exits_2_before_writing(tmp_path: Path) -> None:
+    """Refused once the data's step count is known, before the run writes anything: the same
+    --out then takes the corrected command without --overwrite."""
+    out = tmp_path / "run"
     result = run_cli("train", *tiny_transformer_args(tmp_path, "--epochs", "1",
-                                                     "--warmup-steps", "59",
-                                                     "--out", str(tmp_path / "run")))
+                                                     "--warmup-steps", "59", "--out", str(out)))
     assert result.returncode == 2, result.stderr[-2000:]
     assert "--warmup-steps 59 is invalid with 59 optimizer steps" in result.stderr
+    assert not out.exists() or not any(out.iterdir())
+    fixed = run_cli("train", *tiny_transformer_args(tmp_path, "--epochs", "1",
+                                                    "--warmup-steps", "58", "--out", str(out)))
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert (out / "config.toml").is_file()
 
 
 def test_projected_adam_state_follows_the_chain_rule() -> None:

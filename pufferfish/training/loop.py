@@ -190,6 +190,7 @@ def _run(cfg: TrainConfig, env: DistEnv, method: Method, run_dir: Path,
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     task = build_task(cfg, env)
     steps = steps_per_epoch(cfg, task)  # optimizer steps; refuses a --grad-accum beyond the data
+    method.check_steps(steps)  # a switch the run's steps cannot hold: refused, nothing written
     text = method.start_text(steps) if resumed is None else None  # a resumed run is past it
     if text:
         dist_env.say(env, text)

@@ -56,6 +56,10 @@ class Method:
         """The step the LR schedule is at (a method that restarts training restarts it)."""
         return global_step
 
+    def check_steps(self, steps_per_epoch: int) -> None:
+        """Refuse (ConfigError) a plan the run's optimizer steps cannot hold, before the run
+        writes anything (called once the data's step count is known)."""
+
     def start_text(self, steps_per_epoch: int) -> str | None:
         """A line said at the start of a fresh run (what the method will do when), or None."""
         return None
