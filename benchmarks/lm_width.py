@@ -16,7 +16,8 @@ default switch has the lower mean validation perplexity over its seeds. How sure
 0.125's resolution at 20 tokens per parameter, twice the larger relative max - min of validation
 perplexity over its seeds ((max - min) / mean, full rank and low rank at their chosen LRs;
 relative, since perplexity roughly halves from width 0.125 to 0.25); each method's distance to
-full rank, and the two candidates' distance, are stated against it. The chosen method's LR is the
+full rank, and the two candidates' distance, are stated against it, with this width's own seed
+spreads beside it (an observation; the rule's resolution stays width 0.125's). The chosen method's LR is the
 default LR's measured point at 0.25 (``pufferfish.models.llama.LLAMA_LR_MEASURED``).
 """
 
@@ -102,9 +103,24 @@ def verdict(out: Path, width: float = WIDE) -> dict | None:
             f"{name[best]} is the default at this width"
             + ("" if apart else ", a point estimate within the resolution")
             + ("" if gap[best] <= bar else f"; it costs {gap[best]:.1%} against full rank, "
-               "beyond the resolution"))
+               "beyond the resolution") + _own_spread(out, chosen, width))
     return {"default": "lowrank" if best == "lowrank" else "pufferfish", "text": text,
             "lrs": chosen, "vals": vals}
+
+
+def own_spread(out: Path, method: str, lr: float, width: float = WIDE) -> float | None:
+    """(max - min) / mean of ``method``'s validation perplexity over its seeds at ``width``."""
+    vals = [v for seed in study.SEEDS if (v := _val(out, method, lr, seed, width)) is not None]
+    return (max(vals) - min(vals)) * len(vals) / sum(vals) if len(vals) > 1 else None
+
+
+def _own_spread(out: Path, chosen: dict, width: float) -> str:
+    """This width's own seed spreads, said beside the verdict: an observation, not the rule's
+    resolution (which was fixed from width 0.125's seeds before these runs)."""
+    shown = [f"{m} {s:.1%}" for m in ("full", "lowrank")
+             if (s := own_spread(out, m, chosen[m], width)) is not None]
+    return (f"; this width's own seeds, (max − min) / mean: {', '.join(shown)} (not the rule's "
+            "resolution)") if shown else ""
 
 
 def finished_runs(out: Path, width: float = WIDE) -> list[tuple[str, float, int, dict]]:

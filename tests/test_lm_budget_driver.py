@@ -258,3 +258,32 @@ def test_llama_s_defaults_are_the_cached_study_s_choices() -> None:
         chosen = "lowrank" if found["default"] == "lowrank" else lm_width.PUFF
         assert LLAMA_METHOD_MEASURED[lm_width.WIDE] == found["default"], found["text"]
         assert LLAMA_LR_MEASURED[lm_width.WIDE] == found["lrs"][chosen], found["text"]
+
+
+@pytest.mark.parametrize("puff,default", [(11.5, "lowrank"), (10.5, "pufferfish")])
+def test_the_width_verdict_is_the_lower_mean_validation_with_its_distances(
+        tmp_path: Path, puff: float, default: str) -> None:
+    """Width 0.25's rule on constructed runs beside the cached width-0.125 study: each method at
+    its better LR, a second seed queued while full and low rank are within the resolution, the
+    default the candidate with the lower mean validation perplexity, each distance to full rank
+    stated, and this width's own seed spread beside it."""
+    import lm_width
+
+    shutil.copytree(ROOT / "benchmarks/results/lm-budget/tpp20", tmp_path / "tpp20")
+    at = lambda m, lr, seed, val: _finish_at(  # noqa: E731
+        lm_budget.run_dir(tmp_path, 20.0, m, lr, seed, lm_width.WIDE), val)
+    for method, good in (("full", 10.0), ("lowrank", 11.0)):
+        at(method, 3e-3, 0, good)
+        at(method, 1e-2, 0, 2 * good)
+    assert lm_width.lrs(tmp_path) == [3e-3, 1e-2] and lm_width.verdict(tmp_path) is None
+    at(lm_width.PUFF, 3e-3, 0, puff)
+    assert [t[1:4] for t in lm_width.queue(tmp_path)] == [("full", 3e-3, 1), ("lowrank", 3e-3, 1)]
+    at("full", 3e-3, 1, 10.2)
+    at("lowrank", 3e-3, 1, 11.2)
+    found = lm_width.verdict(tmp_path)
+    assert found is not None and found["default"] == default
+    assert found["vals"]["lowrank"] == (pytest.approx(11.1), 2)
+    gap_low, gap_puff = 11.1 / 10.1 - 1, puff / 10.1 - 1
+    assert f"low rank from the start {gap_low:+.1%}" in found["text"]
+    assert f"Pufferfish's 10% switch {gap_puff:+.1%}" in found["text"]
+    assert f"full {0.2 / 10.1:.1%}, lowrank {0.2 / 11.1:.1%}" in found["text"]
