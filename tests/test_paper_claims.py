@@ -157,6 +157,28 @@ def test_the_prose_states_the_budget_rules_resolution_as_claimed(generated: Path
     assert set(re.findall(r"differences under ([\d.]+) ppl", docs)) == {bar}
 
 
+def test_the_readme_quotes_the_width_study_s_verdict() -> None:
+    """README's and docs/usage.md's llama sentences give each low-rank method's distance to full
+    rank at width 0.25 and that width's own seed spread as benchmarks/lm_width.py computes them
+    from the cache, or say the study is pending."""
+    import lm_width
+
+    cache = ROOT / "benchmarks" / "results" / "lm-budget"
+    found = lm_width.verdict(cache)
+    readme = " ".join((ROOT / "README.md").read_text().split("## Beyond the paper", 1)[1].split())
+    if found is None:
+        assert "width 0.25 pending" in readme
+        return
+    full = found["vals"]["full"][0]
+    low, puff = (round(100 * (found["vals"][m][0] / full - 1)) for m in ("lowrank", lm_width.PUFF))
+    spread = max(lm_width.own_spread(cache, m, found["lrs"][m]) or 0.0 for m in ("full", "lowrank"))
+    assert (f"trails it by {low}% at 0.25 (Pufferfish's 10% switch by {puff}%), where each "
+            f"method's seeds lie within {spread:.1%}") in readme
+    usage = " ".join((ROOT / "docs" / "usage.md").read_text().split())
+    assert (f"{low}% behind full rank at 0.25 (Pufferfish's 10% switch {puff}%; each method's "
+            f"seeds there within {spread:.1%})") in usage
+
+
 def _speed(claim: dict, method: str, seed: str) -> str:
     """'2.35x [2.27–2.50]': a speed-up over DDP with its worst and best bench rounds."""
     entry = claim["methods"][method]
