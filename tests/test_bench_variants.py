@@ -157,7 +157,8 @@ def test_the_projection_pools_compute_per_model_not_across_rank_ratios(tmp_path:
     ("ddp,powersgd:rank", "--methods entry 'powersgd:rank' is invalid: allowed METHOD or "
                           "METHOD:KEY=VALUE"),
     ("ddp,powersgd:rank=2,powersgd:rank=02",
-     "names method 'powersgd:rank=2' twice (powersgd:rank=2 and powersgd:rank=02)"),
+     "names method 'powersgd:rank=2' twice (powersgd:rank=2 and powersgd:rank=02): allowed each "
+     "method (with its settings) once"),
     ("ddp,powersgd:start_iter=5", "warmup 3 is invalid: allowed >= powersgd_start_iter (5)"),
 ])
 def test_bad_entries_exit_2_in_one_line(methods: str, needle: str, tmp_path: Path) -> None:

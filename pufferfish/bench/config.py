@@ -331,7 +331,8 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
             if self.methods.count(m) > 1:
                 twice = [t for t, n in zip(given, self.methods, strict=True) if n == m]
                 raise ValueError(f"--methods {','.join(given)!r} names method {m!r} twice"
-                                 + (f" ({' and '.join(twice)})" if len(set(twice)) > 1 else ""))
+                                 + (f" ({' and '.join(twice)})" if len(set(twice)) > 1 else "")
+                                 + ": allowed each method (with its settings) once")
         if "galore" in map(base_of, self.methods) and (is_user_model(self.model)
                                          or optimizer_name(self.model) != "adamw"):
             raise ValueError(f"method 'galore' is invalid with model {self.model!r}: GaLore's "

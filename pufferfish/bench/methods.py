@@ -133,7 +133,7 @@ class MethodSpec:
                 raise ValueError(f"{flag} entry {text!r}: key {key!r} is invalid for {base}: "
                                  f"allowed {allowed}")
             if key in settings:
-                raise ValueError(f"{flag} entry {text!r} sets {key!r} twice")
+                raise ValueError(f"{flag} entry {text!r} sets {key!r} twice: allowed each key once")
             settings[key] = _value(text, flag, key, raw, keys[key])
         return cls(base, tuple(settings.items()))
 
@@ -224,6 +224,7 @@ def parse_method_map(spec: str, flag: str, form: str, allowed: Sequence[str] | N
         if allowed is not None and name not in allowed:
             raise ValueError(f"unknown method {name!r} in {flag}: allowed {described}")
         if name in found:
-            raise ValueError(f"{flag} names method {name!r} twice")
+            raise ValueError(f"{flag} names method {name!r} twice: allowed each method (with its "
+                             "settings) once")
         found[name] = value
     return found
