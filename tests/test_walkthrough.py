@@ -173,6 +173,10 @@ def test_out_naming_a_file_and_missing_cifar(tmp_path: Path,
     (tmp_path / "file").write_text("mine")
     assert main(["train", "--epochs", "1", "--out", str(tmp_path / "file")]) == 2
     assert f"--out '{tmp_path / 'file'}' is a file: allowed a directory" in _error(capsys)
+    assert main(["train", "--epochs", "1", "--out", str(tmp_path / "file" / "run")]) == 2
+    said = _error(capsys)  # the reason in the system's words (its locale's)
+    assert f"--out '{tmp_path / 'file' / 'run'}' cannot be made (" in said
+    assert "): allowed a directory this user can create and write" in said
     assert (tmp_path / "file").read_text() == "mine"
     from pufferfish.data import DataError, load_dataset
 

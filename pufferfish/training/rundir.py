@@ -128,7 +128,11 @@ def lock_run_dir(run_dir: Path, created: bool = False) -> RunLock:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"out {str(run_dir)!r} is a file: allowed a directory (the run's)")
     created = created or not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only or missing parent: said as bad input, not a traceback
+        raise ConfigError(f"out {str(run_dir)!r} cannot be made ({e.strerror}): allowed a "
+                          "directory this user can create and write") from None
     return RunLock(run_dir, created).acquire()
 
 
