@@ -72,6 +72,12 @@ def _why_taken(out: Path, name: str, entry: dict[str, str] | None, command: str)
     return None
 
 
+def cannot_make(out: Path, e: OSError) -> str:
+    """The one line for an ``--out`` the system refuses to create (under a file, read-only)."""
+    return (f"--out {str(out)!r} cannot be made ({e.strerror}): allowed a directory this user "
+            "can create and write")
+
+
 def claim_outputs(out_dir: str | Path, command: str, names: Iterable[str],
                   overwrite: bool = False) -> None:
     """Claim ``names`` (files or folders, relative to ``out_dir``) for ``command``.
@@ -95,7 +101,10 @@ def claim_outputs(out_dir: str | Path, command: str, names: Iterable[str],
         raise OutputsError(
             f"{str(out)!r} already holds {', '.join(taken)}, which `pufferfish {command}` would "
             "replace: allowed another --out, or --overwrite")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputsError(cannot_make(out, e)) from None
     record.update({n: {"by": command} for n in names})
     _write_record(out, record)
 

@@ -73,6 +73,9 @@ def test_a_users_own_file_is_never_replaced_unasked(tmp_path: Path,
     (tmp_path / "file").write_text("x")
     assert main(["report", str(run), "--out", str(tmp_path / "file")]) == 2
     assert "is a file" in _one_line_error(capsys)
+    assert main(["report", str(run), "--out", str(tmp_path / "file" / "under")]) == 2
+    assert "cannot be made (" in _one_line_error(capsys)  # not an OS error's bare text
+    assert (tmp_path / "file").read_text() == "x"
 
 
 def test_bench_refuses_files_it_did_not_write(tmp_path: Path,

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 from ..config import ConfigError
-from ..outputs import RECORD, forget_outputs, owners, record_outputs
+from ..outputs import RECORD, cannot_make, forget_outputs, owners, record_outputs
 from . import checkpoint as ckpt
 from .board import BOARD_SUBDIR
 
@@ -131,8 +131,7 @@ def lock_run_dir(run_dir: Path, created: bool = False) -> RunLock:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a read-only or missing parent: said as bad input, not a traceback
-        raise ConfigError(f"out {str(run_dir)!r} cannot be made ({e.strerror}): allowed a "
-                          "directory this user can create and write") from None
+        raise ConfigError(cannot_make(run_dir, e).removeprefix("--")) from None
     return RunLock(run_dir, created).acquire()
 
 
