@@ -29,8 +29,8 @@ MAX_SEQ_LEN = 4096  # the longest RoPE table a model is built with (LLaMA-2's co
 # and the method its rule chose ("lowrank": low rank from the start; "pufferfish": the switch
 # after 10% of the steps, Adam's moments per --switch-momentum auto). The widths the advice comes
 # from; a test holds both to the study's cache.
-LLAMA_LR_MEASURED: dict[float, float] = {0.125: 1e-2}
-LLAMA_METHOD_MEASURED: dict[float, str] = {0.125: "lowrank"}
+LLAMA_LR_MEASURED: dict[float, float] = {0.125: 1e-2, 0.25: 3e-3}
+LLAMA_METHOD_MEASURED: dict[float, str] = {0.125: "lowrank", 0.25: "lowrank"}
 LLAMA_METHODS = {"lowrank": "low rank from the start",
                  "pufferfish": "the switch after 10% of the steps"}
 
