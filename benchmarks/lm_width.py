@@ -64,7 +64,7 @@ def resolution(out: Path) -> float:
 
 def mean_val(out: Path, method: str, lr: float, width: float = WIDE) -> tuple[float, int] | None:
     """The mean final validation perplexity over ``method``'s finished seeds, and their count."""
-    vals = [v for seed in study.SEEDS if (v := _val(out, method, lr, seed, width)) is not None]
+    vals = _seed_vals(out, method, lr, width)
     return (sum(vals) / len(vals), len(vals)) if vals else None
 
 
@@ -110,8 +110,13 @@ def verdict(out: Path, width: float = WIDE) -> dict | None:
 
 def own_spread(out: Path, method: str, lr: float, width: float = WIDE) -> float | None:
     """(max - min) / mean of ``method``'s validation perplexity over its seeds at ``width``."""
-    vals = [v for seed in study.SEEDS if (v := _val(out, method, lr, seed, width)) is not None]
+    vals = _seed_vals(out, method, lr, width)
     return (max(vals) - min(vals)) * len(vals) / sum(vals) if len(vals) > 1 else None
+
+
+def _seed_vals(out: Path, method: str, lr: float, width: float) -> list[float]:
+    """``method``'s final validation perplexity at ``lr`` for each of its finished seeds."""
+    return [v for seed in study.SEEDS if (v := _val(out, method, lr, seed, width)) is not None]
 
 
 def _own_spread(out: Path, chosen: dict, width: float) -> str:
