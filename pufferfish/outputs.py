@@ -7,23 +7,32 @@ command's ``report.md``, the user's own file), or that was changed since that co
 ``.pufferfish-outputs.json`` in the directory: ``{name: {"by": command, "sha256": digest}}``
 (the digest once :func:`seal_outputs` has seen the file written; older records: ``{name:
 command}``). Running the same command again into its own directory replaces its own unchanged
-outputs, as a report refreshes. ``train`` records its run directory's files here too
+outputs, as a report refreshes, except the names it claims to ``keep`` (a bench's measurements:
+replaced only with ``overwrite``). ``train`` records its run directory's files here too
 (:func:`record_outputs`; ``training/rundir.py`` decides by it what an earlier run is), and no
 other command writes into a directory so recorded.
+
+While a command writes into a directory it holds it (:func:`hold`, :class:`Held`: an exclusive
+``flock`` on ``DIR/.pufferfish.lock``, the holder's pid and command in it), from before its claim
+until its outputs are sealed: a second command into the same directory is refused in one line
+naming the first, so that two writers never mix their files there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["OutputsError", "claim_outputs", "forget_outputs", "owners", "record_outputs",
-           "seal_outputs"]
+__all__ = ["Held", "OutputsError", "claim_outputs", "forget_outputs", "hold", "owners",
+           "record_outputs", "seal_outputs"]
 
 RECORD = ".pufferfish-outputs.json"
+LOCK = ".pufferfish.lock"  # held (flock) by the command writing into the directory
 TRAIN = "train"  # the command whose directory is a run's: no other command writes into it
 
 
@@ -79,12 +88,14 @@ def cannot_make(out: Path, e: OSError) -> str:
 
 
 def claim_outputs(out_dir: str | Path, command: str, names: Iterable[str],
-                  overwrite: bool = False) -> None:
+                  overwrite: bool = False, keep: Iterable[str] = (), also: str = "") -> None:
     """Claim ``names`` (files or folders, relative to ``out_dir``) for ``command``.
 
     Refuses (``OutputsError``) when one exists and the record does not say ``command`` wrote it,
-    or it changed since (its digest), unless ``overwrite``; else creates ``out_dir`` and records
-    the names as ``command``'s (their digests once :func:`seal_outputs` sees them written).
+    or it changed since (its digest), or it is one of ``keep`` (an earlier ``command``'s results
+    that are not made again cheaply, e.g. measurements; ``also``: another way out the message
+    offers), unless ``overwrite``; else creates ``out_dir`` and records the names as
+    ``command``'s (their digests once :func:`seal_outputs` sees them written).
     """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -101,6 +112,11 @@ def claim_outputs(out_dir: str | Path, command: str, names: Iterable[str],
         raise OutputsError(
             f"{str(out)!r} already holds {', '.join(taken)}, which `pufferfish {command}` would "
             "replace: allowed another --out, or --overwrite")
+    kept = [n for n in keep if (out / n).exists() and record.get(n, {}).get("by") == command]
+    if kept and not overwrite:
+        raise OutputsError(
+            f"--out {str(out)!r} holds {', '.join(kept)} of an earlier `pufferfish {command}`, "
+            f"which this one would replace: allowed another --out, --overwrite{also}")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -152,3 +168,100 @@ def seal_outputs(out_dir: str | Path, command: str, names: Iterable[str]) -> Non
         if (out / name).is_file():
             record[name] = {"by": command, "sha256": _digest(out / name)}
     _write_record(out, record)
+
+
+# -- a command's hold on its output directory ------------------------------------------------------
+
+
+class Held:
+    """``command``'s exclusive hold on ``out_dir`` (released by :meth:`release`, or by the OS when
+    the process dies: the lock file then stays, and the next holder takes it)."""
+
+    def __init__(self, out_dir: str | Path, command: str, created: bool = False) -> None:
+        self.out_dir, self.command, self.created = Path(out_dir), command, created
+        self.fd: int | None = None
+
+    def acquire(self) -> Held:
+        """Take the lock, or refuse (``OutputsError``, one line) naming who holds it."""
+        path = self.out_dir / LOCK
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 128).decode(errors="replace")
+                os.close(fd)
+                raise OutputsError(self._in_use(holder)) from None
+            # Locked a file that a releasing holder had just removed: take the one there now.
+            if _same_file(fd, path):
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {self.command}\n".encode())
+        self.fd = fd
+        return self
+
+    def _in_use(self, holder: str) -> str:
+        """The refusal: the holder's pid and command as its lock file says (``pid command``; a
+        holder of the days before the command was written there: ``pid``)."""
+        pid, _, command = holder.strip().partition(" ")
+        who = (f"another `pufferfish {command}`" if command == self.command else
+               f"`pufferfish {command}`" if command else "another pufferfish command")
+        return (f"--out {self.out_dir} is in use by {who} (pid {pid or 'unknown'}); nothing was "
+                "changed: allowed another --out, or wait until it ends")
+
+    def release(self, tidy: Callable[[Path], None] | None = None) -> None:
+        """Let go: ``tidy(out_dir)`` first (while still held), then the lock file removed (a
+        command waiting on it retries on a new one), and the directory if this hold ``created``
+        it and it is left empty."""
+        if self.fd is None:
+            return
+        if tidy is not None:
+            with contextlib.suppress(OSError):
+                tidy(self.out_dir)
+        with contextlib.suppress(OSError):
+            (self.out_dir / LOCK).unlink()
+            if self.created and not any(self.out_dir.iterdir()):
+                self.out_dir.rmdir()
+        os.close(self.fd)
+        self.fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+@contextlib.contextmanager
+def hold(out_dir: str | Path, command: str) -> Iterator[Held]:
+    """Hold ``out_dir`` for ``command`` while the block writes there (made if missing; refused in
+    one line, ``OutputsError``, while another command holds it). On every way out: the names the
+    command claimed but never wrote are forgotten, and a directory made for it and left empty is
+    removed."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OutputsError(f"--out {str(out)!r} is a file: allowed a directory")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputsError(cannot_make(out, e)) from None
+    try:
+        held = Held(out, command, created).acquire()
+    except OutputsError:
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
+    try:
+        yield held
+    finally:
+        held.release(lambda d: _forget_unwritten(d, command))
+
+
+def _forget_unwritten(out: Path, command: str) -> None:
+    """Drop from the record ``command``'s names that are not there (claimed, never written)."""
+    forget_outputs(out, command, [n for n, by in owners(out).items()
+                                  if by == command and not (out / n).exists()])

@@ -5,6 +5,7 @@ Reads each run directory's ``metrics.jsonl`` and ``config.toml``; writes nothing
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import tomllib
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .formatting import markdown_table
-from .outputs import claim_outputs, seal_outputs
+from .outputs import claim_outputs, hold, seal_outputs
 from .training.checkpoint import atomic_write
 from .training.metrics import quality_key, read_metrics, selection_key
 
@@ -82,10 +83,11 @@ REPORT_FILES = ("report.md", "accuracy.png", "stable_ranks.png")
 
 
 def compare_runs(run_dirs: list[str], out: str | None = None, *, overwrite: bool = False,
-                 command: str = "report") -> str:
+                 command: str = "report", held: bool = False) -> str:
     """A Markdown table of the runs; with ``out``, also ``report.md`` and PNG plots there
     (refused if they would replace files that ``command`` did not write, or that were changed
-    since, unless ``overwrite``). Everything is made first: a failure writes nothing."""
+    since, unless ``overwrite``; ``out`` held while written unless the caller ``held`` it
+    already). Everything is made first: a failure writes nothing."""
     runs = [summarize_run(d) for d in run_dirs]
     table = "\n".join(markdown_table(*_table(runs)))
     if not out:
@@ -94,10 +96,11 @@ def compare_runs(run_dirs: list[str], out: str | None = None, *, overwrite: bool
     plots = _plot(runs)
     body = table + "\n\n" + "\n".join(f"![{Path(n).stem}]({n})" for n in plots) + "\n"
     files = {"report.md": body.encode(), **plots}
-    claim_outputs(out_dir, command, REPORT_FILES, overwrite)
-    for name, data in files.items():
-        atomic_write(out_dir / name, lambda f, data=data: f.write(data))
-    seal_outputs(out_dir, command, files)
+    with contextlib.nullcontext() if held else hold(out_dir, command):
+        claim_outputs(out_dir, command, REPORT_FILES, overwrite)
+        for name, data in files.items():
+            atomic_write(out_dir / name, lambda f, data=data: f.write(data))
+        seal_outputs(out_dir, command, files)
     return table + "\n\nwritten: " + ", ".join(str(out_dir / name) for name in files)
 
 

@@ -82,8 +82,7 @@ def test_a_run_directory_in_use_is_refused_naming_its_pid(
         code, _, err = cli(["train", *ARGS, "--epochs", "1", "--out", str(out)], capsys)
         assert code == 2 and err == (
             f"pufferfish: error: --out {out} is in use by another `pufferfish train` (pid "
-            f"{os.getpid()}); nothing was changed: allowed another --out, or wait until that run "
-            "ends\n")
+            f"{os.getpid()}); nothing was changed: allowed another --out, or wait until it ends\n")
         assert [p.name for p in out.iterdir()] == [LOCK]
     finally:
         held.release()

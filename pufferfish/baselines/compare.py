@@ -47,7 +47,7 @@ from ..configfile import dump_toml
 from ..formatting import markdown_table
 from ..lowrank import factorize
 from ..lowrank.counting import count_params
-from ..outputs import claim_outputs, seal_outputs
+from ..outputs import claim_outputs, hold, seal_outputs
 from ..report import REPORT_FILES, compare_runs
 from ..training import checkpoint as ckpt
 from ..training.loop import train
@@ -172,7 +172,13 @@ def compare(base: TrainConfig, out: str | Path, methods: tuple[str, ...] = COMPA
     if unknown or not methods:
         raise ConfigError(f"methods {','.join(methods)!r} is invalid: allowed a subset of "
                           f"{','.join(COMPARED_MODES)}")
-    out_dir = Path(out)
+    with hold(out, "compare"):  # from the claim until sealed: no other command writes there
+        return _compare(base, Path(out), methods, matched, workers, repeats, latency)
+
+
+def _compare(base: TrainConfig, out_dir: Path, methods: tuple[str, ...], matched: bool,
+             workers: int, repeats: int, latency: bool) -> str:
+    """:func:`compare` in ``out_dir``, held."""
     # Its own files (the runs' directories follow `train`'s rule); report.md is compare's here.
     logs = [f"{m}.log" for m in (*methods, *(["pufferfish-matched"] if matched else []))]
     claim_outputs(out_dir, "compare", ["compare.md", "compare.json", "tradeoff.png",
@@ -234,7 +240,7 @@ def compare(base: TrainConfig, out: str | Path, methods: tuple[str, ...] = COMPA
     (out_dir / "compare.json").write_text(json.dumps(results, indent=1, default=float))
     _plot(results, out_dir / "tradeoff.png", latency)
 
-    compare_runs([cfg.out for _, cfg in runs], str(out_dir), command="compare")
+    compare_runs([cfg.out for _, cfg in runs], str(out_dir), command="compare", held=True)
     seal_outputs(out_dir, "compare", ["compare.md", "compare.json", "tradeoff.png", *logs])
     return table + f"\n\nwritten: {out_dir / 'compare.md'}, {out_dir / 'tradeoff.png'}, " \
                    f"{out_dir / 'report.md'}"

@@ -35,7 +35,10 @@ link for real and then extrapolates with an explicit model:
 Outputs in ``--out``: ``results.json`` (per-round records, rows, time to accuracy),
 ``projection.json``, ``results.md`` and the plots ``step_time.png`` / ``projection.png``
 (and ``time_to_accuracy.png`` / ``time_to_accuracy_projected.png``). ``--from-results``
-reuses an earlier run's measured step times instead of measuring again.
+reuses an earlier run's measured step times instead of measuring again. An earlier bench's
+measurements in ``--out`` (``results.json``; ``--train``'s runs) are replaced only with
+``--overwrite``, or reused by ``--from-results`` naming them; the bench holds ``--out``
+(:func:`pufferfish.outputs.hold`) while it writes there, so two benches never mix their files.
 
 ``--train`` instead trains each method for ``--epochs`` (``--method-epochs``: some for
 longer, an equal wall-clock budget) with ``pufferfish train``
@@ -64,7 +67,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..outputs import claim_outputs, seal_outputs
+from ..outputs import claim_outputs, hold, seal_outputs
 from ..report import compare_runs
 from ..training.metrics import read_metrics
 from . import accuracy as acc
@@ -197,21 +200,35 @@ def _worker_env() -> dict[str, str]:
 
 def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
     """Measure every (bandwidth, method) in interleaved rounds (or reuse ``--from-results``),
-    project, time to accuracy if asked, and write the outputs to ``cfg.out``.
+    project, time to accuracy if asked, and write the outputs to ``cfg.out``, held
+    (:func:`~pufferfish.outputs.hold`) from before the claim until they are sealed.
 
     Returns ``{"config", "links", "order", "rounds", "rows", "compute_check", "projection",
     "time_to_accuracy", "skipped", "failures"}``: ``rounds`` holds one record per round,
     link and method, ``rows`` their summary per link and method.
     """
     cfg.validate()
-    writer = not cfg.torchrun or is_rank0()  # under torchrun rank 0 writes and prints
-    if writer:
-        claim_outputs(cfg.out, "bench", BENCH_FILES, cfg.overwrite)
-    else:
-        log = _quiet
+    if cfg.torchrun and not is_rank0():  # under torchrun rank 0 writes and prints
+        return {**_measured(cfg, _quiet), "failures": []}
+    with hold(cfg.out, "bench"):
+        _claim_bench(cfg)
+        return _bench(cfg, log)
+
+
+def _claim_bench(cfg: BenchConfig) -> None:
+    """Claim the bench's files in ``cfg.out``: an earlier bench's measurements (results.json)
+    are replaced only with ``--overwrite``, or carried over when ``--from-results`` names them."""
+    results = Path(cfg.out) / "results.json"
+    reused = bool(cfg.from_results) and results_path(cfg.from_results).resolve() == \
+        results.resolve()
+    claim_outputs(cfg.out, "bench", BENCH_FILES, cfg.overwrite,
+                  keep=() if reused else ("results.json",),
+                  also=f", or --from-results {results} (its measurements reused)")
+
+
+def _bench(cfg: BenchConfig, log: Log) -> dict[str, Any]:
+    """The step times (measured or reused), projected, and the outputs written."""
     measured = _measured(cfg, log)
-    if not writer:
-        return {**measured, "failures": []}
     records = measured["rounds"]
     links = [link["bandwidth"] for link in measured["links"]]
     rows = summarize(records, links, cfg.methods)
@@ -228,7 +245,6 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
             + " assume the factorized model keeps this CPU's low-rank/full compute ratio "
             f"({projection['cpu_lowrank_compute_ratio']:.2f}) for {', '.join(fallback)}; give "
             "--compute-ms full=MS,factorized=MS to use your GPU's")
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
     _write_outputs(cfg, result, log)
     return result
 
@@ -387,7 +403,7 @@ def _train_argv(cfg: BenchConfig, method: str, run_dir: Path) -> list[str]:
         "--test-subset", str(cfg.test_subset),
         *_hook_flags(mine), _channels_flag(cfg), "--bucket-mb", str(cfg.bucket_mb),
         "--threads", str(cfg.worker_threads()), "--checkpoint-every-epochs", str(epochs),
-        "--no-progress", "--out", str(run_dir), "--overwrite",  # a previous bench's run
+        "--no-progress", "--out", str(run_dir), "--overwrite",  # an earlier bench's (asked)
     ]  # fmt: skip
     if factorized:
         argv += ["--warmup-epochs", str(cfg.warmup_epochs)]
@@ -417,8 +433,15 @@ def run_train(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
     """
 
     cfg.validate()
-    root = Path(cfg.out)
-    claim_outputs(root, "bench", TRAIN_FILES, cfg.overwrite)
+    with hold(cfg.out, "bench"):
+        # An earlier bench's training runs are replaced only with --overwrite.
+        claim_outputs(cfg.out, "bench", TRAIN_FILES, cfg.overwrite,
+                      keep=("train_results.json", "train"))
+        return _train_all(cfg, Path(cfg.out), log)
+
+
+def _train_all(cfg: BenchConfig, root: Path, log: Log) -> dict[str, Any]:
+    """Every method trained over every link into ``root/train``, summarized, written."""
     skipped: list[dict[str, str]] = []
     failures: list[dict[str, str]] = []
     summary: list[dict[str, Any]] = []

@@ -3,10 +3,11 @@
 * A fresh default directory (``runs/<model>-<mode>-<date-time>``) is made by one atomic
   ``mkdir``; a name taken in the meantime (two runs started in the same second) gets the next
   suffix, never an exists-check then a create.
-* Rank 0 holds an exclusive ``flock`` on ``RUN_DIR/.pufferfish.lock`` for the run's life: a second
-  writer is refused naming the holder's pid; the OS releases it when the process dies, so a
-  restart or a resume after a crash takes it again (the file stays then; a run that ends
-  removes it).
+* Rank 0 holds the directory for the run's life (:func:`pufferfish.outputs.hold`'s lock, an
+  exclusive ``flock`` on ``RUN_DIR/.pufferfish.lock``, as every command that writes an ``--out``):
+  a second writer is refused naming the holder's command and pid; the OS releases it when the
+  process dies, so a restart or a resume after a crash takes it again (the file stays then; a run
+  that ends removes it).
 * Which files ``pufferfish train`` wrote is in the directory's outputs record
   (:mod:`pufferfish.outputs`, command ``train``), not guessed from file names: a directory that
   merely holds a ``config.toml`` of the user's is no earlier run, and ``--overwrite`` removes only
@@ -17,18 +18,24 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
-import os
 import re
 from pathlib import Path
 
 from ..config import ConfigError
-from ..outputs import RECORD, cannot_make, forget_outputs, owners, record_outputs
+from ..outputs import (
+    LOCK,
+    RECORD,
+    Held,
+    OutputsError,
+    cannot_make,
+    forget_outputs,
+    owners,
+    record_outputs,
+)
 from . import checkpoint as ckpt
 from .board import BOARD_SUBDIR
 
-LOCK = ".pufferfish.lock"
 COMMAND = "train"  # the outputs record's name for this command
 # What a run may write at its top level, besides the methods' change records (recorded when
 # written): the folders stand for the checkpoint files and event files in them.
@@ -59,51 +66,27 @@ def make_fresh(base: Path) -> Path:
     raise ConfigError(f"no free run directory name after {base}-9999: allowed --out")
 
 
-class RunLock:
-    """Rank 0's exclusive hold on a run directory (released by :meth:`release` or by the OS)."""
+class RunLock(Held):
+    """Rank 0's exclusive hold on a run directory: :class:`~pufferfish.outputs.Held`, the hold
+    every command that writes an ``--out`` takes, for ``train``."""
 
     def __init__(self, run_dir: Path, created: bool) -> None:
-        self.run_dir, self.created = run_dir, created
-        self.fd: int | None = None
+        super().__init__(run_dir, COMMAND, created)
+        self.run_dir = run_dir
 
     def acquire(self) -> RunLock:
-        """Take the lock, or refuse in one line naming the pid that holds it."""
-        path = self.run_dir / LOCK
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                raise ConfigError(
-                    f"--out {self.run_dir} is in use by another `pufferfish train` (pid "
-                    f"{holder}); nothing was changed: allowed another --out, or wait until that "
-                    "run ends") from None
-            # Locked a file that a releasing run had just removed: take the one there now.
-            if _same_file(fd, path):
-                break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self.fd = fd
+        """Take the lock, or refuse in one line naming the command and pid that hold it."""
+        try:
+            super().acquire()
+        except OutputsError as e:  # as the run's other errors: every rank learns it (startup)
+            raise ConfigError(str(e)) from None
         return self
 
-    def release(self, refused: bool = False) -> None:
-        """Let go (the lock file removed while still held: a waiting run retries on the new
-        one). Unless the run was ``refused`` (which leaves the record as it was), names it
-        recorded but never wrote are forgotten; a directory it created and wrote nothing into
-        is removed again."""
-        if self.fd is None:
-            return
-        with contextlib.suppress(OSError):
-            (self.run_dir / LOCK).unlink()
-            if not refused:
-                _forget_unwritten(self.run_dir)
-            if self.created and not any(self.run_dir.iterdir()):
-                self.run_dir.rmdir()
-        os.close(self.fd)
-        self.fd = None
+    def release(self, refused: bool = False) -> None:  # type: ignore[override]
+        """Let go (the lock file removed: a waiting run retries on the new one). Unless the run
+        was ``refused`` (which leaves the record as it was), names it recorded but never wrote
+        are forgotten; a directory it created and wrote nothing into is removed again."""
+        super().release(None if refused else _forget_unwritten)
 
 
 def _forget_unwritten(run_dir: Path) -> None:
@@ -113,13 +96,6 @@ def _forget_unwritten(run_dir: Path) -> None:
     if names:
         written = {p.relative_to(run_dir).parts[0] for p in run_files(run_dir, temps=True)}
         forget_outputs(run_dir, COMMAND, sorted(names - written))
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        return os.stat(path).st_ino == os.fstat(fd).st_ino
-    except FileNotFoundError:
-        return False
 
 
 def lock_run_dir(run_dir: Path, created: bool = False) -> RunLock:
