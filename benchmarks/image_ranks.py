@@ -289,7 +289,8 @@ def bench(out: Path, seed: int) -> int:
         return 2
     cmd = [sys.executable, "-m", "pufferfish", "bench", *BENCH,
            "--methods", ",".join(bench_methods(rank)), "--bandwidth", LINKS,
-           "--out", str(bench_dir(out, seed))]
+           # --overwrite: asked again, the seed's bench re-measures (e.g. at a new best rank)
+           "--out", str(bench_dir(out, seed)), "--overwrite"]
     print(" ".join(cmd), flush=True)
     return subprocess.call(cmd)
 

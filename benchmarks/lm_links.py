@@ -367,7 +367,8 @@ def main() -> int:
             return 2
         cmd = [sys.executable, "-m", "pufferfish", "bench", *BENCH, *knobs, "--methods",
                ",".join(LINK_METHODS), "--bandwidth", args.bandwidth,
-               "--out", str(args.out / "links" / "bench")]
+               # --overwrite: run again to re-measure (at newly chosen settings, as table asks)
+               "--out", str(args.out / "links" / "bench"), "--overwrite"]
         print(" ".join(cmd), flush=True)
         return subprocess.call(cmd)
     text = table(args.out)

@@ -58,7 +58,7 @@ for i in $(seq "$N"); do
   suite training-2proc "$PY" -m pytest -q -p no:cacheprovider tests/test_training.py \
     -k "two_process or replicas or switch_keeps or resume_gives"
   suite bench "$PY" -m pufferfish bench --model resnet18 --width 0.25 --methods ddp,powersgd,pufferfish \
-    --steps 4 --warmup 2 --compute-steps 2 --batch-size 16 --no-probe --out "$WORK/bench-out"
+    --steps 4 --warmup 2 --compute-steps 2 --batch-size 16 --no-probe --out "$WORK/bench-out" --overwrite
   echo "round $i/$N done at $(( $(date +%s) - start )) s, load average $(cut -d' ' -f1 /proc/loadavg)"
 done
 

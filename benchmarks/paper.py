@@ -232,7 +232,8 @@ def speed(found: dict[str, dict[str, dict[int, Path]]], cache: Path, out: Path) 
                         "--accuracy-runs", ",".join(f"{m}={r}" for m, r in runs.items()),
                         "--compute-ms", str(saved["config"].get("compute_ms") or 30),
                         "--accuracy-processes", str(saved["config"].get("accuracy_processes", 0)),
-                        "--out", str(tta)], check=True, capture_output=True, text=True)
+                        "--out", str(tta), "--overwrite"],  # remade from the cache each time
+                       check=True, capture_output=True, text=True)
         table = json.loads((tta / "results.json").read_text())["time_to_accuracy"]["measured"]
         rows = [[t["regime"], f"−{t['points_below']:g}", t["method"],
                  "never" if t["seconds"] is None else f"{t['seconds']:.0f} s",
