@@ -28,8 +28,8 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["Held", "OutputsError", "claim_outputs", "forget_outputs", "hold", "owners",
-           "record_outputs", "seal_outputs"]
+__all__ = ["Held", "OutputsError", "claim_outputs", "forget_outputs", "hold", "make_fresh",
+           "owners", "record_outputs", "seal_outputs"]
 
 RECORD = ".pufferfish-outputs.json"
 LOCK = ".pufferfish.lock"  # held (flock) by the command writing into the directory
@@ -85,6 +85,23 @@ def cannot_make(out: Path, e: OSError) -> str:
     """The one line for an ``--out`` the system refuses to create (under a file, read-only)."""
     return (f"--out {str(out)!r} cannot be made ({e.strerror}): allowed a directory this user "
             "can create and write")
+
+
+def make_fresh(base: Path) -> Path:
+    """Create ``base`` (or ``base-2``, ``base-3``, ... if taken) by one atomic ``mkdir`` each, never
+    an exists-check then a create: two commands started in the same second get one each."""
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputsError(cannot_make(base.parent, e)) from None
+    for n in range(1, 10_000):
+        path = base if n == 1 else Path(f"{base}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise OutputsError(f"no free directory name after {base}-9999: allowed --out")
 
 
 def claim_outputs(out_dir: str | Path, command: str, names: Iterable[str],
@@ -235,15 +252,15 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def hold(out_dir: str | Path, command: str) -> Iterator[Held]:
+def hold(out_dir: str | Path, command: str, created: bool = False) -> Iterator[Held]:
     """Hold ``out_dir`` for ``command`` while the block writes there (made if missing; refused in
     one line, ``OutputsError``, while another command holds it). On every way out: the names the
-    command claimed but never wrote are forgotten, and a directory made for it and left empty is
-    removed."""
+    command claimed but never wrote are forgotten, and a directory made for it (here, or by the
+    caller: ``created``) and left empty is removed."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise OutputsError(f"--out {str(out)!r} is a file: allowed a directory")
-    created = not out.exists()
+    created = created or not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

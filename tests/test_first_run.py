@@ -10,8 +10,8 @@ from helpers import TINY, metrics, needs_fashion, run_cli
 
 from pufferfish.config import ConfigError, TrainConfig
 from pufferfish.configfile import load_config
+from pufferfish.outputs import make_fresh
 from pufferfish.switch import SwitchSchedule
-from pufferfish.training.rundir import make_fresh
 
 
 @pytest.mark.parametrize(("epochs", "pct", "switch"), [

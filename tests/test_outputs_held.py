@@ -223,3 +223,23 @@ def test_two_benches_at_once_one_writes(tmp_path: Path) -> None:
     record = json.loads((out / RECORD).read_text())  # every file as sealed: none replaced since
     assert all(hashlib.sha256((out / name).read_bytes()).hexdigest() == entry["sha256"]
                for name, entry in record.items() if (out / name).is_file())
+
+
+def test_a_bench_without_out_gets_a_fresh_directory_each(tmp_path: Path, monkeypatch) -> None:
+    # Without --out each bench makes its own runs/bench-<date-time> (one atomic mkdir, the next
+    # free -N when two start in the same second), as a run does: never an earlier bench's.
+    from pufferfish.bench.config import BenchConfig
+    from pufferfish.bench.runner import _hold_out
+
+    monkeypatch.chdir(tmp_path)
+    first, second = BenchConfig(), BenchConfig()
+    with _hold_out(first), _hold_out(second):
+        assert first.out != second.out
+        for cfg in (first, second):
+            assert Path(cfg.out).parent == Path("runs") and Path(cfg.out).is_dir()
+            assert Path(cfg.out).name.startswith("bench-")
+        (Path(first.out) / "results.json").write_text("{}")
+    assert Path(first.out).is_dir() and not Path(second.out).exists()  # made, left empty: gone
+    given = BenchConfig(out="mine")
+    with _hold_out(given):
+        assert given.out == "mine"

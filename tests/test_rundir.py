@@ -20,8 +20,9 @@ from torch import nn
 
 import pufferfish as pf
 from pufferfish.cli import main
+from pufferfish.outputs import make_fresh
 from pufferfish.training.checkpoint import latest_checkpoint
-from pufferfish.training.rundir import LOCK, lock_run_dir, make_fresh
+from pufferfish.training.rundir import LOCK, lock_run_dir
 
 ARGS = ["--model", "resnet18", "--width", "0.125", "--train-subset", "64", "--val-subset", "64",
         "--test-subset", "64", "--batch-size", "32", "--threads", "1", "--no-progress",

@@ -116,7 +116,7 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
     amp: str = "none"  # autocast of the timed steps: bf16, or fp16 with a GradScaler
     bucket_mb: str = "auto"  # DDP bucket cap (MiB), torch's default, or each method's fastest
     timeout: float = 0.0  # 0: STEP_TIMEOUT per step group, no limit per training run
-    out: str = "runs/bench"
+    out: str = ""  # "": a new runs/bench-<date-time> (runner._hold_out)
     overwrite: bool = False  # replace files in --out that another command wrote
     # time to accuracy from existing runs' accuracy and the measured (or reused) step times
     accuracy_runs: str = ""

@@ -109,7 +109,8 @@ def _measurement_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
 
 def _output_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
     """Where results go, and accuracy against wall-clock from earlier runs or results."""
-    ap.add_argument("--out", default=d.out, help="output directory")
+    ap.add_argument("--out", default=d.out,
+                    help="output directory (default: a new runs/bench-DATE-TIME)")
     ap.add_argument("--overwrite", action="store_true",
                     help="replace files in --out that another command (or you) wrote there")
     ap.add_argument("--accuracy-runs", default=d.accuracy_runs, metavar="METHOD=DIR,...",

@@ -62,12 +62,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..outputs import claim_outputs, hold, seal_outputs
+from ..outputs import Held, claim_outputs, hold, make_fresh, seal_outputs
 from ..report import compare_runs
 from ..training.metrics import read_metrics
 from . import accuracy as acc
@@ -210,9 +211,19 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
     cfg.validate()
     if cfg.torchrun and not is_rank0():  # under torchrun rank 0 writes and prints
         return {**_measured(cfg, _quiet), "failures": []}
-    with hold(cfg.out, "bench"):
+    with _hold_out(cfg):
         _claim_bench(cfg)
         return _bench(cfg, log)
+
+
+def _hold_out(cfg: BenchConfig) -> contextlib.AbstractContextManager[Held]:
+    """Hold ``--out`` for this bench; without one, a new ``runs/bench-<date-time>`` (one atomic
+    mkdir, the next free ``-N`` if taken, as a run's default directory), which ``cfg.out`` then
+    names (results.json's config says where the results are)."""
+    if cfg.out:
+        return hold(cfg.out, "bench")
+    cfg.out = str(make_fresh(Path(f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")))
+    return hold(cfg.out, "bench", created=True)
 
 
 def _claim_bench(cfg: BenchConfig) -> None:
@@ -433,7 +444,7 @@ def run_train(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
     """
 
     cfg.validate()
-    with hold(cfg.out, "bench"):
+    with _hold_out(cfg):
         # An earlier bench's training runs are replaced only with --overwrite.
         claim_outputs(cfg.out, "bench", TRAIN_FILES, cfg.overwrite,
                       keep=("train_results.json", "train"))

@@ -51,8 +51,9 @@ from ..distributed import env as dist_env
 from ..distributed import fsdp
 from ..distributed.buckets import BucketTuner
 from ..distributed.env import DistEnv
+from ..outputs import OutputsError, make_fresh
 from . import checkpoint as ckpt
-from . import faults, optim, rundir, startup, tasks
+from . import faults, optim, startup, tasks
 from .board import open_board, summary_writer
 from .budget import resolve_token_budget
 from .build import (
@@ -156,13 +157,15 @@ def _train(cfg: TrainConfig, env: DistEnv, method: Method) -> list[dict[str, Any
 
 
 def _fresh_run_dir(env: DistEnv, name: Path) -> Path:
-    """The default run directory, made by rank 0 with one atomic mkdir (:func:`rundir.make_fresh`)
-    and broadcast; under torchrun the launch's own name, the same for its restarts."""
+    """The default run directory, made by rank 0 with one atomic mkdir (:func:`make_fresh`) and
+    broadcast; under torchrun the launch's own name, the same for its restarts."""
     made: Any = None
     if env.is_main:
         try:
             made = str(name if os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none"
-                       else rundir.make_fresh(name))
+                       else make_fresh(name))
+        except OutputsError as e:  # as the run's other bad input: one line, exit 2
+            made = ConfigError(str(e))
         except (ConfigError, OSError) as e:
             made = e
     made = dist_env.broadcast_object(made, env)

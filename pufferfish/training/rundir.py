@@ -1,8 +1,8 @@
 """The run directory as one run's own: claimed exclusively, and its files known by record.
 
-* A fresh default directory (``runs/<model>-<mode>-<date-time>``) is made by one atomic
-  ``mkdir``; a name taken in the meantime (two runs started in the same second) gets the next
-  suffix, never an exists-check then a create.
+* A fresh default directory (``runs/<model>-<mode>-<date-time>``) is made by
+  :func:`pufferfish.outputs.make_fresh` (one atomic ``mkdir``; a name taken in the meantime gets
+  the next suffix).
 * Rank 0 holds the directory for the run's life (:func:`pufferfish.outputs.hold`'s lock, an
   exclusive ``flock`` on ``RUN_DIR/.pufferfish.lock``, as every command that writes an ``--out``):
   a second writer is refused naming the holder's command and pid; the OS releases it when the
@@ -51,19 +51,6 @@ _RUN_FILE_RE = re.compile(rf"^{_RUN_FILE}$")
 # Their temp files, left by a kill during a write (checkpoint.atomic_write's, and the
 # ``<name>.tmp`` of runs written before every write went through it).
 _RUN_TEMP_RE = re.compile(rf"^({_RUN_FILE}\.tmp|\.{_RUN_FILE}\.[A-Za-z0-9_-]+\.\d+\.[0-9a-f]+\.tmp)$")
-
-
-def make_fresh(base: Path) -> Path:
-    """Create ``base`` (or ``base-2``, ``base-3``, ... if taken) atomically; the one created."""
-    base.parent.mkdir(parents=True, exist_ok=True)
-    for n in range(1, 10_000):
-        path = base if n == 1 else Path(f"{base}-{n}")
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
-    raise ConfigError(f"no free run directory name after {base}-9999: allowed --out")
 
 
 class RunLock(Held):
