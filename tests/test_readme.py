@@ -34,9 +34,12 @@ TINY = {
     "resume": ["--epochs", "3", "--threads", "1", "--no-progress"],  # the run's own sizes
     "compare": [*TRAIN, "--train-subset", "256", "--epochs", "1", "--rounds", "1",
                 "--latency-repeats", "1"],
-    # loopback only: the emulated links' path is tests/test_bench.py's and test_netns.py's
+    # loopback only: the emulated links' path is tests/test_bench.py's and test_netns.py's; torch's
+    # buckets: the default's trial steps (--bucket-mb auto) are tests/test_bench.py's and
+    # test_buckets.py's to check, not worth ~6 s per command here
     "bench": ["--width", "0.125", "--batch-size", "16", "--steps", "2", "--warmup", "2",
-              "--compute-steps", "1", "--rounds", "1", "--threads", "1", "--bandwidth", "loopback"],
+              "--compute-steps", "1", "--rounds", "1", "--threads", "1", "--bandwidth", "loopback",
+              "--bucket-mb", "torch"],
     "bench-reuse": [],
     "factorize": [],
     "report": [],
