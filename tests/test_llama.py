@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import llama_args, metrics, run_cli, tiny_corpus
+from helpers import cli_stderr, llama_args, metrics, run_cli, tiny_corpus
 
 import pufferfish as pf
 from pufferfish.configfile import load_config
@@ -214,11 +214,12 @@ def test_two_process_llama_switches_and_reports_validation_perplexity(tmp_path: 
     (["--vocab-size", "100"], "--vocab-size 100 is too small for a byte-level BPE"),
     (["--data", "fashion-mnist"], "data 'fashion-mnist' is no text corpus: allowed kjv"),
 ])
-def test_bad_llama_input_exits_2_with_one_line(tmp_path: Path, args: list[str],
-                                               message: str) -> None:
-    result = run_cli("train", *llama_args(tmp_path, *args, "--out", str(tmp_path / "run")))
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
+def test_bad_llama_input_exits_2_with_one_line(tmp_path: Path, args: list[str], message: str,
+                                               capfd: pytest.CaptureFixture[str]) -> None:
+    # in this process (a real one's exit: tests/test_reliability.py's one-line checks)
+    code, lines = cli_stderr(["train", *llama_args(tmp_path, *args, "--out",
+                                                   str(tmp_path / "run"))], capfd)
+    assert code == 2, lines
     assert len(lines) == 1 and lines[0].startswith("pufferfish: error:") and message in lines[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
