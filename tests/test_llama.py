@@ -314,7 +314,7 @@ def test_the_llama_preset_sets_the_warm_up_only_where_the_user_did_not() -> None
     assert load_config(overrides={"model": "resnet18"}).warmup_epochs == "20%"
 
 
-def test_resume_after_the_switch_replays_the_run(tmp_path: Path) -> None:
+def test_resume_after_the_switch_replays_the_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     args = llama_args(tmp_path, "--train-subset", "800", "--epochs", "2", "--warmup-epochs", "1",
                       "--checkpoint-every-steps", "4", "--eval-every-steps", "5")
     ref, run, marker = tmp_path / "ref", tmp_path / "run", tmp_path / "killed"
@@ -323,9 +323,10 @@ def test_resume_after_the_switch_replays_the_run(tmp_path: Path) -> None:
         "PUFFERFISH_KILL_AT_STEP": "17", "PUFFERFISH_KILL_MARKER": str(marker)})
     assert killed.returncode == -9 and marker.exists()
     for flag, value, saved in (("--seq-len", "8", "16"), ("--vocab-size", "300", "280")):
-        changed = run_cli("train", "--resume", str(run), flag, value, "--no-progress")
-        assert changed.returncode == 2, changed.stderr[-2000:]  # other tokens for the saved model
-        assert f"{flag}: checkpoint has {saved}, this run has {value}" in changed.stderr
+        code, lines = cli_stderr(["train", "--resume", str(run), flag, value, "--no-progress"],
+                                 capfd)  # in this process
+        assert code == 2, lines  # other tokens for the saved model
+        assert f"{flag}: checkpoint has {saved}, this run has {value}" in "\n".join(lines)
     resumed = run_cli("train", "--resume", str(run), "--no-progress")
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
     a, b = latest_checkpoint(ref)[0]["model"], latest_checkpoint(run)[0]["model"]
