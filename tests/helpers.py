@@ -145,7 +145,7 @@ def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
     return code, captured.out, captured.err
 
 
-# Warnings a plain `python` process never prints (sys.flags' default filters): everything else
+# Warnings a plain `python` process does not print (Python's default warning filters): any other
 # would be a line of stderr there.
 SILENT = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
 
