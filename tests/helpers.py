@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,24 @@ def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
         code = int(e.code or 0)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+# Warnings a plain `python` process does not print (Python's default warning filters): any other
+# would be a line of stderr there.
+SILENT = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+
+
+def cli_stderr(argv: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    """``pufferfish ARGV`` in this process, for a refusal: (exit status, the lines of stderr as a
+    process of its own would print them). stderr is read at its file descriptor (C++ output
+    counts) and a warning a real process would print is a line of it, so a one-line check is as
+    strict as over :func:`run_cli`, without its ~2 s interpreter and torch import per case."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, _, err = cli(argv, capfd)
+    shown = [f"{w.category.__name__}: {w.message}" for w in caught
+             if not issubclass(w.category, SILENT)]
+    return code, err.strip().splitlines() + shown
 
 
 def finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str, str]:

@@ -18,6 +18,7 @@ from helpers import (
     DDP_ROWS,
     PUFF_ROWS,
     bench_record,
+    cli_stderr,
     needs_fashion,
     run_cli,
     write_train_run,
@@ -161,11 +162,13 @@ def test_the_projection_pools_compute_per_model_not_across_rank_ratios(tmp_path:
      "method (with its settings) once"),
     ("ddp,powersgd:start_iter=5", "warmup 3 is invalid: allowed >= powersgd_start_iter (5)"),
 ])
-def test_bad_entries_exit_2_in_one_line(methods: str, needle: str, tmp_path: Path) -> None:
+def test_bad_entries_exit_2_in_one_line(methods: str, needle: str, tmp_path: Path,
+                                        capfd: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench"
-    proc = run_cli("bench", "--methods", methods, "--out", str(out))
-    err = proc.stderr.strip()
-    assert proc.returncode == 2 and len(err.splitlines()) == 1, err
+    # in this process (a real one's exit: tests/test_reliability.py's one-line checks)
+    code, lines = cli_stderr(["bench", "--methods", methods, "--out", str(out)], capfd)
+    assert code == 2 and len(lines) == 1, lines
+    err = lines[0]
     assert err.startswith("pufferfish: error:") and needle in err, err
     assert not out.exists()  # refused before any worker started
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import SMALL, needs_fashion, report_to_parent, run_cli, run_worker_pair
+from helpers import SMALL, cli_stderr, needs_fashion, report_to_parent, run_cli, run_worker_pair
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -149,10 +149,10 @@ def test_recipe_bucket_mb_values() -> None:
         pf.Recipe(bucket_mb="auto")
 
 
-def test_cli_refuses_a_bad_bucket_mb_in_one_line() -> None:
-    result = run_cli("train", "--bucket-mb", "0")
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+def test_cli_refuses_a_bad_bucket_mb_in_one_line(capfd: pytest.CaptureFixture[str]) -> None:
+    code, lines = cli_stderr(["train", "--bucket-mb", "0"], capfd)  # in this process
+    assert code == 2
+    assert lines == [
         "pufferfish: error: --bucket-mb '0' is invalid: allowed 'auto', 'torch' or a bucket cap in "
         "MiB > 0 (e.g. 0.25)"]
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
+    cli_stderr,
     free_port,
     killed_and_resumed,
     llama_args,
@@ -142,7 +143,7 @@ def test_train_accumulates_like_a_twice_larger_batch_with_a_nth_of_the_bytes(tmp
 
 # -- resume and bad values (one process, the tiny LSTM) ------------------------------------------
 
-def test_resume_keeps_grad_accum_or_refuses_a_change(tmp_path: Path) -> None:
+def test_resume_keeps_grad_accum_or_refuses_a_change(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     # The LSTM's kernel fixed: timed at the switch, the two runs can pick different ones on a
     # loaded machine, and the kernels round differently (measured: fused in one, loop in the other).
     args = tiny_lm_args(tmp_path, "--epochs", "2", "--warmup-epochs", "1", "--grad-accum", "2",
@@ -151,10 +152,9 @@ def test_resume_keeps_grad_accum_or_refuses_a_change(tmp_path: Path) -> None:
     a, b = (latest_checkpoint(d)[0]["model"] for d in (ref, run))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["steps"] for r in metrics(run)] == [29, 29]  # 59 micro-batches: the last dropped
-    changed = run_cli("train", "--resume", str(run), "--grad-accum", "3", "--epochs", "3",
-                      "--no-progress")
-    assert changed.returncode == 2, changed.stderr[-2000:]
-    lines = changed.stderr.strip().splitlines()
+    code, lines = cli_stderr(["train", "--resume", str(run), "--grad-accum", "3", "--epochs",
+                              "3", "--no-progress"], capfd)  # in this process
+    assert code == 2, lines
     assert len(lines) == 1 and "--grad-accum: checkpoint has 2, this run has 3" in lines[0]
 
 
@@ -162,11 +162,12 @@ def test_resume_keeps_grad_accum_or_refuses_a_change(tmp_path: Path) -> None:
     ("0", "--grad-accum 0 is invalid: allowed an integer >= 1"),
     ("1000", "--grad-accum 1000 is invalid with 59 micro-batch(es)"),  # more than an epoch has
 ])
-def test_bad_grad_accum_is_refused_in_one_line(tmp_path: Path, value: str, message: str) -> None:
-    result = run_cli("train", *tiny_lm_args(tmp_path, "--grad-accum", value),
-                     "--out", str(tmp_path / "run"))
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
+def test_bad_grad_accum_is_refused_in_one_line(tmp_path: Path, value: str, message: str,
+                                               capfd: pytest.CaptureFixture[str]) -> None:
+    # in this process (a real one's exit: tests/test_reliability.py's one-line checks)
+    code, lines = cli_stderr(["train", *tiny_lm_args(tmp_path, "--grad-accum", value),
+                              "--out", str(tmp_path / "run")], capfd)
+    assert code == 2, lines
     assert len(lines) == 1 and message in lines[0], lines
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 

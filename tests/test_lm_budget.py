@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import metrics, run_cli, tiny_corpus
+from helpers import cli_stderr, metrics, run_cli, tiny_corpus
 
 from pufferfish.config import ConfigError, TrainConfig
 from pufferfish.data import bpe as bpe_module
@@ -92,11 +92,11 @@ def test_tokens_per_param_gives_every_mode_the_same_tokens_and_a_test_perplexity
     assert abs(steps["full"] * 16 * 8 - budget) <= 2 * 16 * 8  # the budget, to a step's tokens
 
 
-def test_a_budget_past_the_epochs_allowed_is_refused_in_one_line(tmp_path: Path) -> None:
-    result = run_cli("train", *_args(tmp_path, "--tokens-per-param", "50", "--epochs", "1",
-                                     "--out", str(tmp_path / "run")))
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
+def test_a_budget_past_the_epochs_allowed_is_refused_in_one_line(tmp_path: Path,
+                                                                 capfd: pytest.CaptureFixture[str]) -> None:
+    code, lines = cli_stderr(["train", *_args(tmp_path, "--tokens-per-param", "50", "--epochs",
+                                              "1", "--out", str(tmp_path / "run"))], capfd)
+    assert code == 2
     assert len(lines) == 1 and "--tokens-per-param 50" in lines[0] and "--epochs 1" in lines[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 

@@ -28,15 +28,18 @@ README = (ROOT / "README.md").read_text()
 # Appended to each command of its kind: small data, width and steps (a later flag wins). 1024
 # examples: the README's time-to-accuracy model needs a full batch of 16 for each of 64 workers.
 TRAIN = ["--width", "0.125", "--train-subset", "1024", "--test-subset", "128", "--batch-size",
-         "16", "--epochs", "2", "--threads", "1", "--no-progress"]
+         "16", "--epochs", "1", "--threads", "1", "--no-progress"]
 TINY = {
     "train": TRAIN,
-    "resume": ["--epochs", "3", "--threads", "1", "--no-progress"],  # the run's own sizes
+    "resume": ["--epochs", "2", "--threads", "1", "--no-progress"],  # the run's own sizes
     "compare": [*TRAIN, "--train-subset", "256", "--epochs", "1", "--rounds", "1",
                 "--latency-repeats", "1"],
-    # loopback only: the emulated links' path is tests/test_bench.py's and test_netns.py's
+    # loopback only: the emulated links' path is tests/test_bench.py's and test_netns.py's; torch's
+    # buckets: the default's trial steps (--bucket-mb auto) are tests/test_bench.py's and
+    # test_buckets.py's to check, not worth ~6 s per command here
     "bench": ["--width", "0.125", "--batch-size", "16", "--steps", "2", "--warmup", "2",
-              "--compute-steps", "1", "--rounds", "1", "--threads", "1", "--bandwidth", "loopback"],
+              "--compute-steps", "1", "--rounds", "1", "--threads", "1", "--bandwidth", "loopback",
+              "--bucket-mb", "torch"],
     "bench-reuse": [],
     "factorize": [],
     "report": [],

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import (
     TINY,
+    cli_stderr,
     free_port,
     killed_and_resumed,
     metrics,
@@ -185,36 +186,38 @@ def test_resume_gives_the_same_final_parameters(tmp_path: Path, kill_step: int) 
     # one process has no all-reduce: the hook would silently do nothing
     (["--comm", "powersgd"], "comm 'powersgd' is invalid without a process group"),
 ])
-def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
-    result = run_cli("train", *TINY, *args, "--out", "/tmp/pufferfish-never-written")
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
+def test_bad_input_exits_2_with_one_line(args: list[str], message: str,
+                                        capfd: pytest.CaptureFixture[str]) -> None:
+    # in this process (a real one's exit: tests/test_reliability.py's one-line checks)
+    code, lines = cli_stderr(["train", *TINY, *args, "--out", "/tmp/pufferfish-never-written"],
+                             capfd)
+    assert code == 2, lines
     assert len(lines) == 1 and lines[0].startswith("pufferfish: error:") and message in lines[0]
     assert not Path("/tmp/pufferfish-never-written/metrics.jsonl").exists()
 
 
-def test_corrupt_idx_file_exits_2(tmp_path: Path) -> None:
+def test_corrupt_idx_file_exits_2(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     n = 8
     write_idx(tmp_path / "train-images-idx3-ubyte.gz", 2051, [n, 28, 28], bytes(n * 784))
     write_idx(tmp_path / "train-labels-idx1-ubyte.gz", 2049, [n], bytes(n))
     write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", 2051, [n, 28, 28], bytes(n * 100))  # cut
     write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", 2049, [n], bytes(n))
-    result = run_cli("train", *TINY, "--train-subset", "8", "--data-dir", str(tmp_path),
-                     "--out", str(tmp_path / "run"))
-    assert result.returncode == 2
-    assert "t10k-images-idx3-ubyte.gz" in result.stderr and len(result.stderr.splitlines()) == 1
+    code, lines = cli_stderr(["train", *TINY, "--train-subset", "8", "--data-dir", str(tmp_path),
+                              "--out", str(tmp_path / "run")], capfd)
+    assert code == 2
+    assert len(lines) == 1 and "t10k-images-idx3-ubyte.gz" in lines[0]
 
 
-def test_config_file_and_unknown_key(tmp_path: Path) -> None:
+def test_config_file_and_unknown_key(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     good = tmp_path / "good.toml"
     good.write_text('model = "vgg19_bn"\nwidth = 0.25\nepochs = 4\nwarmup_epochs = 1\n')
     cfg = load_config(good, {"lr": "0.01"})
     assert (cfg.model, cfg.width, cfg.epochs, cfg.warmup_epochs, cfg.lr) == ("vgg19_bn", 0.25, 4, "1", 0.01)
     bad = tmp_path / "bad.toml"
     bad.write_text("epocs = 3\n")
-    result = run_cli("train", "--config", str(bad))
-    assert result.returncode == 2
-    assert "unknown configuration key 'epocs' (did you mean 'epochs'?)" in result.stderr
+    code, lines = cli_stderr(["train", "--config", str(bad)], capfd)
+    assert code == 2
+    assert "unknown configuration key 'epocs' (did you mean 'epochs'?)" in "\n".join(lines)
 
 
 @pytest.mark.skipif(not __import__("shutil").which("bible"), reason="bible-kjv missing")
