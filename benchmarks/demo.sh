@@ -17,6 +17,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+# The demo's own directory is trained again on every `make demo`; an OUT of yours is not
+# replaced unasked (a bench there refuses: choose another OUT, or EXTRA=--overwrite).
+OVERWRITE=$([ -z "${OUT:-}" ] && echo --overwrite || true)
+case " ${EXTRA:-} " in *" --overwrite "*) OVERWRITE=--overwrite ;; esac
 OUT=${OUT:-runs/demo}
 LINK=${LINK:-100mbit}
 IMAGES=${IMAGES:-30000}
@@ -47,7 +51,7 @@ echo "=== pufferfish bench --train ${MODEL[*]} --methods $METHODS --bandwidth $B
 echo "    (the first $IMAGES training images (0: all 60,000) and all 10,000 test images; 2 processes, one core each; each method"
 echo "    trained over the same link; time = summed epoch times, evaluation excluded)"
 $PY -m pufferfish bench --train "${MODEL[@]}" --methods "$METHODS" --bandwidth "$BW" \
-  "${TRAIN[@]}" --out "$OUT" --overwrite ${EXTRA:-}  # the demo run again: trained again
+  "${TRAIN[@]}" --out "$OUT" $OVERWRITE ${EXTRA:-}
 
 RUNS="$OUT/train/$BW"
 if [ "$BW" = loopback ]; then
@@ -55,7 +59,7 @@ if [ "$BW" = loopback ]; then
   RUNMAP=$(echo "$METHODS" | tr ',' '\n' | sed "s|.*|&=$RUNS/&|" | paste -sd,)
   $PY -m pufferfish bench "${MODEL[@]}" --methods "$METHODS" --bandwidth loopback --steps 6 \
     --warmup 2 --compute-steps 3 --rounds 2 --accuracy-runs "$RUNMAP" \
-    --compute-ms 30 --out "$OUT/projection" --overwrite > "$OUT/projection.log"
+    --compute-ms 30 --out "$OUT/projection" $OVERWRITE > "$OUT/projection.log"
   sed -n '/^## Time to accuracy, PROJECTED/,/^!\[/p' "$OUT/projection/results.md" | grep -v '^!\['
   echo "(all of it: $OUT/projection/results.md and its plots)"
 fi

@@ -133,7 +133,8 @@ def claim_outputs(out_dir: str | Path, command: str, names: Iterable[str],
     if kept and not overwrite:
         raise OutputsError(
             f"--out {str(out)!r} holds {', '.join(kept)} of an earlier `pufferfish {command}`, "
-            f"which this one would replace: allowed another --out, --overwrite{also}")
+            "which this one would replace: allowed another --out, "
+            + (f"--overwrite, or {also}" if also else "or --overwrite"))
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -157,7 +157,7 @@ def test_a_finished_benchs_training_runs_are_replaced_only_when_asked(
                         "loopback", "--epochs", "1", "--out", str(out)], capsys)
     assert code == 2 and err == (
         f"pufferfish: error: --out {str(out)!r} holds train_results.json, train of an earlier "
-        "`pufferfish bench`, which this one would replace: allowed another --out, --overwrite\n")
+        "`pufferfish bench`, which this one would replace: allowed another --out, or --overwrite\n")
     assert files_with_digests(out) == before
 
 

@@ -234,7 +234,7 @@ def _claim_bench(cfg: BenchConfig) -> None:
         results.resolve()
     claim_outputs(cfg.out, "bench", BENCH_FILES, cfg.overwrite,
                   keep=() if reused else ("results.json",),
-                  also=f", or --from-results {results} (its measurements reused)")
+                  also=f"--from-results {results} (its measurements reused)")
 
 
 def _bench(cfg: BenchConfig, log: Log) -> dict[str, Any]:
