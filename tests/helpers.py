@@ -106,11 +106,40 @@ def llama_args(tmp_path: Path, *extra: str) -> list[str]:
 
 # -- running the CLI -------------------------------------------------------------------------
 
+def _port_slice() -> range:
+    """This test process's own ports: below the kernel's ephemeral range, one slice per
+    pytest-xdist worker (``gw0``, ``gw1``, ...), so that neither a test running beside this one
+    nor any process's automatic ``bind(0)`` (gloo's listeners, a bench's store) can pick them."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    low = min(low, 32768)
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+    span = (low - 10_000) // workers
+    return range(10_000 + worker * span, 10_000 + (worker + 1) * span)
+
+
+_NEXT_PORT: list[int] = []
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now: a group's rendezvous port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now (a group's rendezvous port), from this worker's
+    slice in turn, so that no port is handed out twice while an earlier run may still hold it."""
+    ports = _port_slice()
+    if not _NEXT_PORT:
+        _NEXT_PORT.append(ports.start + os.getpid() % len(ports))
+    for _ in range(len(ports)):
+        port = _NEXT_PORT[0]
+        _NEXT_PORT[0] = ports.start + (port + 1 - ports.start) % len(ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1}")
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, torchrun: int = 0,

@@ -92,6 +92,36 @@ def test_run_workers_loopback_env() -> None:
     ]
 
 
+_GROUP = """
+import os, socket
+import torch, torch.distributed as dist
+from pufferfish.distributed.env import cleanup, exit_process
+with socket.socket() as s:  # the rendezvous port is held for the ranks, not merely found free
+    taken = s.connect_ex(("127.0.0.1", int(os.environ["MASTER_PORT"]))) == 0
+dist.init_process_group("gloo")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print(taken, int(t))
+cleanup()
+exit_process(0)
+"""
+
+
+def test_two_loopback_groups_at_once_each_rendezvous_on_a_held_port() -> None:
+    """Without a given port the launching process hosts the store on a port the kernel holds
+    for it (torchrun's agent store): two launches at once, each a real gloo group."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def launch(_: int) -> list[subprocess.CompletedProcess[str]]:
+        return run_workers(None, lambda r: [sys.executable, "-c", _GROUP], timeout=120)
+
+    with ThreadPoolExecutor(2) as pool:
+        launches = list(pool.map(launch, range(2)))
+    for res in launches:
+        assert [p.returncode for p in res] == [0, 0], [p.stderr[-2000:] for p in res]
+        assert [p.stdout.split() for p in res] == [["True", "3"], ["True", "3"]]
+
+
 def test_run_workers_timeout_kills_all() -> None:
     with pytest.raises(WorkerTimeout) as info:
         run_workers(

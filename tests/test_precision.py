@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from helpers import free_port
 from torch import nn
 
 from pufferfish.config import TrainConfig
@@ -20,15 +20,12 @@ AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
 
 
 def torchrun_train(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """``pufferfish train ARGS`` on 2 processes under the AVX2 ISA, a tiny LSTM on 2,400 words
-    (self-contained: no test file imports another; main's tests/helpers.py has run_cli)."""
+    """``pufferfish train ARGS`` on 2 processes under the AVX2 ISA, a tiny LSTM on 2,400 words."""
     rng = random.Random(0)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(" ".join(rng.choices([f"w{i}" for i in range(50)], k=12))
                                 for _ in range(200)) + "\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
          str(port), "-m", "pufferfish", "train", "--model", "lstm", "--width", "0.02", "--data",

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
 from .cleanup import install_handlers, kill_running, live_procs
 from .netns import EmulatedLink
 
-__all__ = ["WorkerTimeout", "free_port", "run_workers"]
+__all__ = ["WorkerTimeout", "run_workers"]
 
 # Fixed port for rank 0 inside a fresh namespace: each namespace has its own port
 # space, so nothing else can be listening there.
@@ -43,14 +42,6 @@ class WorkerTimeout(subprocess.TimeoutExpired):
 
     def __str__(self) -> str:
         return f"{super().__str__()}\n{self.stderr}"
-
-
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 (for the loopback condition)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 
 def run_workers(
@@ -76,14 +67,16 @@ def run_workers(
     CompletedProcess per rank (stdout/stderr captured as text); the caller checks
     ``returncode``.
     """
-    master_addr, port, world_size = _rendezvous(link, master_port, world_size)
     install_handlers()  # SIGTERM/atexit also kill loopback workers
     workers: list[_Worker] = []
     with contextlib.ExitStack() as files:
+        master_addr, port, world_size, store_env = files.enter_context(
+            _rendezvous(link, master_port, world_size))
         try:
             for rank in range(world_size):
                 argv = _worker_argv(rank, argv_for_rank, link)
-                wenv = _worker_env(rank, world_size, master_addr, port, link, env)
+                wenv = _worker_env(rank, world_size, master_addr, port, link,
+                                   {**(env or {}), **store_env})
                 # Temp files, not pipes: a chatty worker can never block on a full pipe.
                 out = files.enter_context(tempfile.TemporaryFile())
                 err = files.enter_context(tempfile.TemporaryFile())
@@ -100,17 +93,32 @@ def run_workers(
     return results
 
 
+@contextlib.contextmanager
 def _rendezvous(
     link: EmulatedLink | None, master_port: int | None, world_size: int
-) -> tuple[str, int, int]:
-    """``(MASTER_ADDR, MASTER_PORT, world size)``: the link's endpoint 0, or loopback."""
-    if link is None:
-        port = master_port if master_port is not None else free_port()
-        return "127.0.0.1", port, world_size
-    if link.closed:
-        raise RuntimeError("EmulatedLink is closed")
-    port = master_port if master_port is not None else _NETNS_MASTER_PORT
-    return link.addresses[0], port, link.n_endpoints
+) -> Iterator[tuple[str, int, int, dict[str, str]]]:
+    """``(MASTER_ADDR, MASTER_PORT, world size, environment)`` while the ranks run.
+
+    On loopback without a given port, this process hosts the ranks' TCPStore on a port the
+    kernel picks and holds (torchrun's agent store): a port merely found free could be taken
+    by another process (a second bench, any ``bind(0)``) before rank 0 bound it. In a link's
+    fresh namespace nothing else listens, so rank 0 hosts the store on a fixed port.
+    """
+    if link is not None:
+        if link.closed:
+            raise RuntimeError("EmulatedLink is closed")
+        port = master_port if master_port is not None else _NETNS_MASTER_PORT
+        yield link.addresses[0], port, link.n_endpoints, {}
+    elif master_port is not None:
+        yield "127.0.0.1", master_port, world_size, {}
+    else:
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        try:
+            yield "127.0.0.1", store.port, world_size, {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+        finally:
+            del store
 
 
 def _worker_argv(
