@@ -27,6 +27,11 @@ def _our_namespaces() -> list[str]:
     return [ln.split()[0] for ln in out.splitlines() if ln.startswith(prefix)]
 
 
+def _named(namespace: str) -> bool:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return namespace in [ln.split()[0] for ln in out.splitlines() if ln.strip()]
+
+
 needs_netns = pytest.mark.skipif(
     netns_available() is not None, reason=f"link emulation unavailable: {netns_available()}"
 )
@@ -201,7 +206,9 @@ def test_cleanup_stale_removes_orphans_only() -> None:
     try:
         with EmulatedLink(10 * MBIT) as link:
             removed = cleanup_stale()
-            assert orphan in removed
+            # removed by this call, or by a bench's own clean-up at its start in a test beside
+            # this one (pytest-xdist): either way gone, and only it
+            assert not _named(orphan)
             assert not set(link.namespaces) & set(removed)  # our live link is untouched
             assert sorted(_our_namespaces()) == sorted(link.namespaces)
     finally:
