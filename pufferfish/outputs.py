@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 __all__ = ["Held", "OutputsError", "claim_outputs", "forget_outputs", "hold", "make_fresh",
-           "owners", "record_outputs", "seal_outputs"]
+           "make_out", "owners", "record_outputs", "seal_outputs"]
 
 RECORD = ".pufferfish-outputs.json"
 LOCK = ".pufferfish.lock"  # held (flock) by the command writing into the directory
@@ -85,6 +85,19 @@ def cannot_make(out: Path, e: OSError) -> str:
     """The one line for an ``--out`` the system refuses to create (under a file, read-only)."""
     return (f"--out {str(out)!r} cannot be made ({e.strerror}): allowed a directory this user "
             "can create and write")
+
+
+def make_out(out: Path) -> bool:
+    """Make a command's ``--out`` if missing (True: made here); refused in one line
+    (``OutputsError``) if it is a file or the system will not make it."""
+    if out.exists() and not out.is_dir():
+        raise OutputsError(f"--out {str(out)!r} is a file: allowed a directory")
+    made = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputsError(cannot_make(out, e)) from None
+    return made
 
 
 def make_fresh(base: Path) -> Path:
@@ -259,13 +272,7 @@ def hold(out_dir: str | Path, command: str, created: bool = False) -> Iterator[H
     command claimed but never wrote are forgotten, and a directory made for it (here, or by the
     caller: ``created``) and left empty is removed."""
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise OutputsError(f"--out {str(out)!r} is a file: allowed a directory")
-    created = created or not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputsError(cannot_make(out, e)) from None
+    created = make_out(out) or created
     try:
         held = Held(out, command, created).acquire()
     except OutputsError:

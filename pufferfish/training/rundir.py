@@ -28,8 +28,8 @@ from ..outputs import (
     RECORD,
     Held,
     OutputsError,
-    cannot_make,
     forget_outputs,
+    make_out,
     owners,
     record_outputs,
 )
@@ -88,13 +88,10 @@ def _forget_unwritten(run_dir: Path) -> None:
 def lock_run_dir(run_dir: Path, created: bool = False) -> RunLock:
     """Create ``run_dir`` if needed and hold it for this run (:class:`RunLock`); ``created``:
     the caller made it (removed again if the run leaves nothing in it)."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"out {str(run_dir)!r} is a file: allowed a directory (the run's)")
-    created = created or not run_dir.exists()
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a read-only or missing parent: said as bad input, not a traceback
-        raise ConfigError(cannot_make(run_dir, e).removeprefix("--")) from None
+        created = make_out(run_dir) or created
+    except OutputsError as e:  # said as the run's other bad input (the "--" added when printed)
+        raise ConfigError(str(e).removeprefix("--")) from None
     return RunLock(run_dir, created).acquire()
 
 
