@@ -106,19 +106,19 @@ def llama_args(tmp_path: Path, *extra: str) -> list[str]:
 
 # -- running the CLI -------------------------------------------------------------------------
 
-def _port_slice() -> range:
-    """This test process's own ports: below the kernel's ephemeral range, one slice per
+def port_slice() -> range:
+    """This test process's own ports: outside the kernel's ephemeral range, one slice per
     pytest-xdist worker (``gw0``, ``gw1``, ...), so that neither a test running beside this one
     nor any process's automatic ``bind(0)`` (gloo's listeners, a bench's store) can pick them."""
     try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    low = min(low, 32768)
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    below, above = range(10_000, max(low, 10_000)), range(max(high + 1, 10_000), 65_536)
+    ports = max(below, above, key=len)  # the wider of the two ranges the kernel never hands out
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-    workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
-    span = (low - 10_000) // workers
-    return range(10_000 + worker * span, 10_000 + (worker + 1) * span)
+    span = len(ports) // max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+    return range(ports.start + worker * span, ports.start + (worker + 1) * span)
 
 
 _NEXT_PORT: list[int] = []
@@ -127,7 +127,11 @@ _NEXT_PORT: list[int] = []
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (a group's rendezvous port), from this worker's
     slice in turn, so that no port is handed out twice while an earlier run may still hold it."""
-    ports = _port_slice()
+    ports = port_slice()
+    if len(ports) < 100:  # the kernel hands out nearly every port: take one it picks
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
     if not _NEXT_PORT:
         _NEXT_PORT.append(ports.start + os.getpid() % len(ports))
     for _ in range(len(ports)):

@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from helpers import port_slice
 
 from pufferfish.bench.bandwidth import format_bps, parse_bandwidth
 from pufferfish.bench.netns import EmulatedLink, cleanup_stale, netns_available
@@ -125,6 +127,21 @@ def test_two_loopback_groups_at_once_each_rendezvous_on_a_held_port() -> None:
     for res in launches:
         assert [p.returncode for p in res] == [0, 0], [p.stderr[-2000:] for p in res]
         assert [p.stdout.split() for p in res] == [["True", "3"], ["True", "3"]]
+
+
+def test_the_tests_own_ports_are_apart_per_worker_and_never_the_kernels(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if not kernel.is_file():
+        pytest.skip("the kernel's ephemeral range is Linux's /proc")
+    low, high = map(int, kernel.read_text().split())
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    slices = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        slices.append(set(port_slice()))
+    assert len(slices[0]) > 1000 and len(slices[1]) > 1000 and not slices[0] & slices[1]
+    assert not (slices[0] | slices[1]) & set(range(low, high + 1))
 
 
 def test_run_workers_timeout_kills_all() -> None:
