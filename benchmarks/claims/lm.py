@@ -221,19 +221,21 @@ def _round_times(row: dict, links_rows: dict[str, dict], link: str) -> tuple[flo
     return None if t is None else (t.low, t.high)
 
 
-def _links_verdict(found: dict, link: str) -> tuple[str | None, bool]:
-    """The method first by medians over ``link``, and whether its worst round beats every other
-    method's best (the README's rule for times); else the two are within the rounds' spread."""
+def _links_verdict(found: dict, link: str) -> tuple[str | None, str | None, bool]:
+    """The method first by medians over ``link``, its nearest rival (the other method with the
+    fastest best round), and whether its worst round beats every other method's best (the
+    README's rule for times); else the two are within the rounds' spread, a tie."""
     import lm_links
 
     rows = {r["method"]: r for r in found["rows"] if r["run"] is not None}
     first = lm_links.first(found, link)
     if first is None:
-        return None, False
+        return None, None, False
     worst = _round_times(rows[first], rows, link)[1]
-    others = [t[0] for m, r in rows.items() if m != first
-              and (t := _round_times(r, rows, link)) is not None]
-    return first, all(worst < best for best in others)
+    others = {m: t[0] for m, r in rows.items() if m != first
+              and (t := _round_times(r, rows, link)) is not None}
+    rival = min(others, key=others.__getitem__) if others else None
+    return first, rival, all(worst < best for best in others.values())
 
 
 def budget_links_claim(cache: Path) -> dict:
@@ -266,15 +268,16 @@ def budget_links_claim(cache: Path) -> dict:
         methods = {f"{r['method']}: s to target @ {link}": stats({0: r["seconds_to_target"][link]})
                    for r in found["rows"] for link in found["links"]}
         verdicts = {link: _links_verdict(found, link) for link in slow}
-        met = all(first in lm_links.FULL_PHASE and apart for first, apart in verdicts.values())
+        met = all(first in lm_links.FULL_PHASE and apart for first, _, apart in verdicts.values())
         never = [label[m] for m, r in runs.items()
                  if all(v is None for v in r["seconds_to_target"].values())]
         cells = []
-        for link, (first, apart) in verdicts.items():
+        for link, (first, rival, apart) in verdicts.items():
             t = _round_times(runs[first], runs, link)
-            ddp = _round_times(runs["ddp"], runs, link)
+            near = _round_times(runs[rival], runs, link) if rival else None
             cells.append(f"{LINKS[link]}: first {label[first]}, {t[0]:,.0f}–{t[1]:,.0f} s over the "
-                         f"bench's rounds against DDP's {ddp[0]:,.0f}–{ddp[1]:,.0f} s"
+                         "bench's rounds" + (f" against {label[rival]}'s {near[0]:,.0f}–"
+                                             f"{near[1]:,.0f} s" if near else "")
                          + ("" if apart else ": the rounds overlap, a tie"))
         ours = (f"to val ppl {found['target']:.2f} (DDP's final + 5%): " + "; ".join(cells)
                 + (f"; never reached at the settings they ran: {', '.join(never)}" if never else "")
