@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import port_slice
+from helpers import free_port, port_slice
 
 from pufferfish.bench.bandwidth import format_bps, parse_bandwidth
 from pufferfish.bench.netns import EmulatedLink, cleanup_stale, netns_available
@@ -127,6 +127,17 @@ def test_two_loopback_groups_at_once_each_rendezvous_on_a_held_port() -> None:
     for res in launches:
         assert [p.returncode for p in res] == [0, 0], [p.stderr[-2000:] for p in res]
         assert [p.stdout.split() for p in res] == [["True", "3"], ["True", "3"]]
+
+
+def test_a_given_port_is_rank_0s_even_under_an_agent_store_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a port given (and in a link's namespace) rank 0 hosts the store, whatever the
+    launching process inherited from a torchrun of its own: no rank waits for an absent host."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    res = run_workers(None, lambda r: [sys.executable, "-c", _GROUP], master_port=free_port(),
+                      timeout=120)
+    assert [p.returncode for p in res] == [0, 0], [p.stderr[-2000:] for p in res]
+    assert [p.stdout.split()[1] for p in res] == ["3", "3"]
 
 
 def test_the_tests_own_ports_are_apart_per_worker_and_never_the_kernels(

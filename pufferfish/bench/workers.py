@@ -104,13 +104,14 @@ def _rendezvous(
     by another process (a second bench, any ``bind(0)``) before rank 0 bound it. In a link's
     fresh namespace nothing else listens, so rank 0 hosts the store on a fixed port.
     """
+    rank0_hosts = {"TORCHELASTIC_USE_AGENT_STORE": "False"}  # even if this process's env says so
     if link is not None:
         if link.closed:
             raise RuntimeError("EmulatedLink is closed")
         port = master_port if master_port is not None else _NETNS_MASTER_PORT
-        yield link.addresses[0], port, link.n_endpoints, {}
+        yield link.addresses[0], port, link.n_endpoints, rank0_hosts
     elif master_port is not None:
-        yield "127.0.0.1", master_port, world_size, {}
+        yield "127.0.0.1", master_port, world_size, rank0_hosts
     else:
         from torch.distributed import TCPStore
 
