@@ -148,10 +148,7 @@ def claim_outputs(out_dir: str | Path, command: str, names: Iterable[str],
             f"--out {str(out)!r} holds {', '.join(kept)} of an earlier `pufferfish {command}`, "
             "which this one would replace: allowed another --out, "
             + (f"--overwrite, or {also}" if also else "or --overwrite"))
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputsError(cannot_make(out, e)) from None
+    make_out(out)
     record.update({n: {"by": command} for n in names})
     _write_record(out, record)
 
