@@ -1,7 +1,8 @@
 """One cached, resumable queue of ``pufferfish train`` runs: what every study driver runs through.
 
 A study is a list of :class:`Run` (a directory and its flags). :func:`run_all` trains each one
-that has not finished (its last metrics row has a test metric), resuming a stopped run from its
+that has not finished (its last metrics row is its last epoch's and has a test metric: an image
+run records its test accuracy every epoch), resuming a stopped run from its
 newest checkpoint, starting again one stopped before its first; each run's command and output go
 to ``RUN.log`` beside it. Drivers decide *what* to run (grids, choices on validation); this
 module owns *how*, so a stopped study resumes the same way whichever driver queued it.
@@ -14,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,12 +37,18 @@ class Run:
 
 
 def finished(path: Path) -> dict | None:
-    """The last metrics row of a finished run (it has ``test_ppl`` or ``test_acc``), else None."""
+    """The last metrics row of a finished run, else None: the row of the run's last epoch (its
+    ``config.toml``'s ``epochs``) with ``test_ppl`` or ``test_acc``. An image run records its
+    test accuracy every epoch, so a test metric alone does not say that it finished."""
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
         return None
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return rows[-1] if rows and ("test_ppl" in rows[-1] or "test_acc" in rows[-1]) else None
+    if not rows or not ("test_ppl" in rows[-1] or "test_acc" in rows[-1]):
+        return None
+    config = path / "config.toml"
+    epochs = tomllib.loads(config.read_text()).get("epochs", 0) if config.is_file() else 0
+    return rows[-1] if rows[-1].get("epoch", epochs) >= epochs else None
 
 
 def command(run: Run) -> list[str]:

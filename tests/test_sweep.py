@@ -40,6 +40,13 @@ def test_a_run_is_finished_by_its_test_metric_and_resumed_from_its_checkpoint(
     _finish(tmp_path / "b", test_acc=0.9)
     _finish(tmp_path / "c", test_ppl=20.0)
     assert sweep.finished(tmp_path / "b")["test_acc"] == 0.9
+    (tmp_path / "b" / "config.toml").write_text("epochs = 20\n")  # an image run, stopped
+    _rows = [{"epoch": e, "test_acc": 0.9} for e in (15, 16)]  # at epoch 16 of its 20
+    (tmp_path / "b" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows))
+    assert sweep.finished(tmp_path / "b") is None
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"epoch": 20, "test_acc": 0.91}) + "\n")
+    assert sweep.finished(tmp_path / "b")["test_acc"] == 0.91
     assert sweep._quality({"test_ppl": 20.0}) == " val nan test 20.00"  # no validation split
     assert [r.path for r in sweep.run_all([sweep.Run(tmp_path / n) for n in "bcd"],
                                           dry_run=True)] == [tmp_path / "d"]
