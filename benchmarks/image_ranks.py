@@ -16,6 +16,7 @@ choices made there), 20 epochs, 2 processes x 64 images, the paper's SGD recipe 
     python benchmarks/image_ranks.py run OUT [--dry-run]
     sudo python benchmarks/image_ranks.py bench OUT --seed S   # once the runs have finished
     python benchmarks/image_ranks.py table OUT [--md FILE]
+    python benchmarks/image_ranks.py cache OUT DEST   # the runs' records and the benches, no checkpoints
 
 Runs go through ``benchmarks/sweep.py`` (cached, resumed from checkpoints); about 30 minutes a
 run on 2 idle CPU cores, 20 runs in all. ``bench`` times every method's settings side by side in
@@ -55,6 +56,25 @@ METHODS: dict[str, tuple[str, ...]] = {
 }
 
 
+FRACTIONS = {"0.125": "⅛", "0.25": "¼", "0.5": "½"}
+
+
+def label(method: str, path: Path) -> str:
+    """What a run trained, in words: "PowerSGD rank 2", "Pufferfish (rank ¼) + fp16"."""
+    if method == "ddp":
+        return "DDP"
+    if method.startswith("psgd-r"):
+        return f"PowerSGD rank {method[6:]}"
+    if method.startswith("puff-r"):
+        return f"Pufferfish (rank {FRACTIONS[method[6:]]})"
+    puff = f"Pufferfish (rank {FRACTIONS['0.25']})"  # the compositions' ratio (RATIO)
+    return f"{puff} + fp16" if method == "puff-fp16" else \
+        f"{puff} + PowerSGD rank {_config_rank(path)}"
+
+
+TOTAL_RUNS = (len(METHODS) + 1) * len(SEEDS)  # every method's and the composition with PowerSGD's
+
+
 def run_dir(out: Path, method: str, seed: int) -> Path:
     return out / f"{method}-s{seed}"
 
@@ -88,6 +108,28 @@ def runs(out: Path) -> list[sweep.Run]:
             for s in SEEDS for m, flags in methods.items()]
 
 
+def pending(out: Path) -> list[str]:
+    """The study's runs not finished yet, by name (the composition's too, before its rank is
+    chosen)."""
+    todo = [r.path.name for r in runs(out) if sweep.finished(r.path) is None]
+    if best_psgd_rank(out) is None:
+        todo += [run_dir(out, "puff-psgd", s).name for s in SEEDS]
+    return todo
+
+
+def cache(out: Path, dest: Path) -> list[Path]:
+    """Copy the study's finished runs (their records, not their checkpoints) and its benches'
+    results into the cache folder ``dest``; returns what was copied."""
+    copies = sweep.cache([r.path for r in runs(out)], dest)
+    for seed in SEEDS:
+        for name in ("results.json", "results.md"):
+            src = bench_dir(out, seed) / name
+            if src.is_file():
+                sweep.copy_once(src, dest / src.parent.name / name)
+                copies.append(dest / src.parent.name / name)
+    return copies
+
+
 # -- timing: the bench's step times per seed, each run's steps in phases ------------------------
 
 BENCH = ("--model", "resnet18", "--width", "0.25", "--batch-size", "64", "--threads", "1",
@@ -96,6 +138,7 @@ LINKS = "loopback,1gbit,100mbit"
 VERDICT_LINK = "100mbit"
 MARGINS = (0.5, 1.0)  # the targets: DDP's mean final accuracy minus these points
 RATIO = "0.25"  # the compositions' rank ratio
+SIDES = {"Pufferfish": "puff", "PowerSGD": "psgd"}  # the verdict's sides: their runs' prefixes
 
 
 def bench_methods(rank: int) -> list[str]:
@@ -225,25 +268,23 @@ def fastest(found: dict, prefix: str, margin: float) -> str | None:
     seconds to the validation target over ``VERDICT_LINK`` on both seeds (None: none reaches
     it on both): each side's choice is made on validation."""
     mean: dict[str, float] = {}
-    for method in {r["method"] for r in found["rows"] if r["method"].startswith(prefix)}:
+    for method in sorted({r["method"] for r in found["rows"] if r["method"].startswith(prefix)}):
         times = [r["to"][(margin, "val")][VERDICT_LINK] for r in found["rows"]
                  if r["method"] == method]
         if len(times) == len(SEEDS) and None not in times:
             mean[method] = sum(t.median for t in times) / len(times)
-    return min(mean, key=mean.__getitem__) if mean else None
+    return min(mean, key=mean.__getitem__) if mean else None  # a tie: the first by name
 
 
-def verdict(found: dict, margin: float, seed: int) -> str:
-    """Over ``VERDICT_LINK`` to DDP − ``margin`` on test, seed ``seed``: Pufferfish's fastest
-    variant against PowerSGD's fastest rank (each chosen on validation), by worst rounds."""
-    picks = {side: fastest(found, prefix, margin) for side, prefix in
-             (("Pufferfish", "puff"), ("PowerSGD", "psgd"))}
+def judge(found: dict, margin: float, seed: int) -> dict:
+    """Over ``VERDICT_LINK`` to DDP − ``margin`` on test, seed ``seed``: each side's fastest
+    (``picks``, chosen on validation: :func:`fastest`), its test time (``times``, None: never)
+    and the ``answer``, by worst rounds: a side is first only when its worst round is faster
+    than the other's best."""
+    picks = {side: fastest(found, prefix, margin) for side, prefix in SIDES.items()}
     times = {side: None if m is None else next(
         r["to"][(margin, "test")][VERDICT_LINK] for r in found["rows"]
         if r["method"] == m and r["seed"] == seed) for side, m in picks.items()}
-    shown = "; ".join(f"{side} {picks[side] or '(none reaches it on validation)'}: "
-                      + ("never" if t is None else f"{t.median:,.0f} s [{t.low:,.0f}–{t.high:,.0f}]")
-                      for side, t in times.items())
     puff, psgd = times["Pufferfish"], times["PowerSGD"]
     if puff is not None and (psgd is None or puff.high < psgd.low):
         answer = "Pufferfish first"
@@ -251,7 +292,16 @@ def verdict(found: dict, margin: float, seed: int) -> str:
         answer = "PowerSGD first"
     else:
         answer = "a tie (the rounds overlap)" if puff is not None else "neither reaches it"
-    return f"DDP −{margin:g}, seed {seed}: {shown}: {answer}"
+    return {"picks": picks, "times": times, "answer": answer}
+
+
+def verdict(found: dict, margin: float, seed: int) -> str:
+    """:func:`judge`'s answer in one line, each side's pick and its time [best–worst round]."""
+    j = judge(found, margin, seed)
+    shown = "; ".join(f"{side} {j['picks'][side] or '(none reaches it on validation)'}: "
+                      + ("never" if t is None else f"{t.median:,.0f} s [{t.low:,.0f}–{t.high:,.0f}]")
+                      for side, t in j["times"].items())
+    return f"DDP −{margin:g}, seed {seed}: {shown}: {j['answer']}"
 
 
 def table(out: Path) -> str:
@@ -303,7 +353,15 @@ def main() -> int:
     t = sub.add_parser("table")
     t.add_argument("out", type=Path)
     t.add_argument("--md", type=Path)
+    c = sub.add_parser("cache", help="copy the finished runs and the benches into a cache folder")
+    c.add_argument("out", type=Path)
+    c.add_argument("dest", type=Path)
     args = parser.parse_args()
+    if args.cmd == "cache":
+        copied = cache(args.out, args.dest)
+        print(f"image_ranks: {len(copied)} cached in {args.dest}; still to run: "
+              + (", ".join(pending(args.out)) or "none"))
+        return 0
     if args.cmd == "bench":
         return bench(args.out, args.seed)
     if args.cmd == "table":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -22,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from pufferfish.training.checkpoint import latest_checkpoint
+from pufferfish.training.rundir import run_files
 
-__all__ = ["Run", "finished", "parser", "run_all", "train"]
+__all__ = ["Run", "cache", "copy_once", "finished", "parser", "run_all", "train"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,29 @@ def run_all(runs: Iterable[Run], dry_run: bool = False) -> list[Run]:
         else:
             train(run)
     return pending
+
+
+def copy_once(src: Path, target: Path) -> None:
+    """Copy ``src`` to ``target`` for the cache: one there already is kept when the same, and
+    refused when different (a cached result is never overwritten)."""
+    if target.is_file() and target.read_bytes() != src.read_bytes():
+        raise SystemExit(f"sweep: {target} is cached already and differs from {src}: allowed "
+                         "a cache folder of its own, or the same result")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, target)
+
+
+def cache(paths: Iterable[Path], dest: Path) -> list[Path]:
+    """Copy each finished run of ``paths`` into ``dest`` under its own name, its record only
+    (config, metrics, change records: what ``pufferfish train`` wrote at its top level, not its
+    checkpoints), each file by :func:`copy_once`; returns the copies."""
+    copies = []
+    for path in (p for p in paths if finished(p) is not None):
+        for f in run_files(path):
+            if f.parent == path:
+                copy_once(f, dest / path.name / f.name)
+        copies.append(dest / path.name)
+    return copies
 
 
 def parser(doc: str) -> tuple[argparse.ArgumentParser, Any]:

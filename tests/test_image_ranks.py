@@ -97,3 +97,53 @@ def test_table_says_what_is_missing(tmp_path: Path) -> None:
     for seed in image_ranks.SEEDS:
         _run(tmp_path, "ddp", seed, [0.9], [0.9])
     assert "no bench for seed 0" in image_ranks.table(tmp_path)
+
+
+def _study(out: Path, bench: dict[int, dict[str, float]], skip: str = "") -> None:
+    """A whole study, every run on DDP's curves but Pufferfish (rank ⅛), which never reaches
+    the validation target; switches after epoch 1 (the composition's after 2)."""
+    for seed in image_ranks.SEEDS:
+        for method in (*image_ranks.METHODS, "puff-psgd"):
+            if f"{method}-s{seed}" == skip:
+                continue
+            val = [0.80] * 4 if method == "puff-r0.125" else [0.89, 0.91, 0.92, 0.92]
+            switch = 2 if method == "puff-psgd" else 1 if method.startswith("puff") else None
+            _run(out, method, seed, [0.90, 0.92, 0.93, 0.93], val, switch_epoch=switch, rank=1)
+        _bench(out, seed, bench[seed])
+
+
+STEP = {"ddp": 0.1, "fp16": 0.09, **{f"powersgd:rank={r}": 0.04 + r / 100 for r in (1, 2, 4, 8)},
+        "pufferfish:rank_ratio=0.125": 0.015, "pufferfish:rank_ratio=0.25": 0.02,
+        "pufferfish:rank_ratio=0.5": 0.03, "pufferfish+fp16:rank_ratio=0.25": 0.035,
+        "pufferfish+powersgd:rank_ratio=0.25:rank=1": 0.01}
+
+
+def test_the_claim_states_each_side_s_fastest_either_way(tmp_path: Path) -> None:
+    import claims.images as images
+
+    out = tmp_path / "resnet18-w0.25-fashion-e20-ranks"
+    _study(out, {0: STEP, 1: STEP}, skip="psgd-r8-s1")
+    claim = images.ranks_claim(tmp_path)
+    assert claim["met"] is None and claim["readme"]["ours"].startswith(
+        "not run yet: 17 of its 20 runs cached")  # the composition waits for PowerSGD's grid
+    _run(out, "psgd-r8", 1, [0.90, 0.92, 0.93, 0.93], [0.89, 0.91, 0.92, 0.92])
+    claim = images.ranks_claim(tmp_path)
+    # to -0.5 (epoch 3, 1,290 steps): Pufferfish 1/4 430 x 0.1 + 860 x 0.02 = 60.2 s; PowerSGD
+    # rank 1 860 x 0.1 + 430 x 0.05 = 107.5 s; rank 1/8 is faster on test, never on validation
+    assert "to DDP −0.5: Pufferfish (rank ¼) 60 / 60 s, PowerSGD rank 1 108 / 108 s on seeds " \
+           "0 / 1: Pufferfish first on both" in claim["readme"]["ours"], claim["readme"]["ours"]
+    assert claim["met"] is True
+    assert claim["methods"]["PowerSGD rank 1: s to DDP −1"]["seeds"] == {"0": 86.0, "1": 86.0}
+    assert claim["methods"]["Pufferfish (rank ¼) + PowerSGD rank 1: s to DDP −0.5"]["mean"] \
+        == pytest.approx(86.0 + 430 * 0.02)
+    slow = {**STEP, "pufferfish:rank_ratio=0.25": 0.09, "pufferfish:rank_ratio=0.5": 0.1,
+            "pufferfish+fp16:rank_ratio=0.25": 0.12}  # seed 1's bench: Pufferfish slower
+    for path in out.glob("bench-s1"):
+        (path / "results.json").unlink()
+        path.rmdir()
+    _bench(out, 1, slow)
+    claim = images.ranks_claim(tmp_path)
+    assert claim["met"] is False
+    # to -0.5 on seed 1: 430 x 0.1 + 860 x 0.09 = 120.4 s against PowerSGD's 107.5 s
+    assert "Pufferfish (rank ¼) 60 / 120 s, PowerSGD rank 1 108 / 108 s on seeds 0 / 1: " \
+           "Pufferfish first / PowerSGD first on seeds 0 / 1" in claim["readme"]["ours"]

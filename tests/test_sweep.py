@@ -186,3 +186,20 @@ def test_accuracy_queues_one_run_per_mode_reports_them_and_refuses_an_unknown_on
     assert sweeps.main(["accuracy", "c", str(tmp_path), "--modes", "full,lowrank"]) == 0
     assert "lowrank" in (tmp_path / "report.md").read_text()
     assert not list(tmp_path.glob("*.log"))
+
+
+def test_cache_copies_finished_runs_records_only_and_never_overwrites(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    _finish(runs / "a", test_acc=0.9)
+    (runs / "a" / "config.toml").write_text("epochs = 1\n")
+    (runs / "a" / "notes.txt").write_text("the user's")  # not a run's file
+    save_checkpoint(runs / "a", {"w": torch.zeros(2)}, 100)
+    (runs / "b").mkdir()  # not finished: not cached
+    dest = tmp_path / "cache"
+    assert sweep.cache([runs / "a", runs / "b"], dest) == [dest / "a"]
+    assert sorted(p.name for p in (dest / "a").iterdir()) == ["config.toml", "metrics.jsonl"]
+    assert sweep.cache([runs / "a"], dest) == [dest / "a"]  # the same again: kept
+    (dest / "a" / "metrics.jsonl").write_text("cached before\n")
+    with pytest.raises(SystemExit, match="cached already and differs"):
+        sweep.cache([runs / "a"], dest)
+    assert (dest / "a" / "metrics.jsonl").read_text() == "cached before\n"

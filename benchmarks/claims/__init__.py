@@ -2,8 +2,9 @@
 
 One package, by topic: this module holds the rules (runs, seeds, spreads, records, the README
 table and the claim blocks of docs/benchmarks.md); ``images.py`` the image-model claims
-(parameters, accuracy, warm-up, time to accuracy, PowerSGD composed, ``make demo``); ``lm.py``
-the language-model ones (DiLoCo, the budget study and its links); ``plots.py`` the plots.
+(parameters, accuracy, warm-up, time to accuracy, PowerSGD composed, each baseline at its best,
+``make demo``); ``lm.py`` the language-model ones (DiLoCo, the budget study and its links);
+``plots.py`` the plots.
 
 ``benchmarks/paper.sh OUT`` calls :func:`build` and writes ``OUT/claims.json`` (one record per
 claim: the paper's figure, ours per seed with mean and spread, the target, whether it is met, the
