@@ -194,7 +194,8 @@ def build(cache: Path, params: dict[str, list[int]], source: str) -> tuple[list[
     comp, comp_curves = images.composition_claim(cache)
     diloco, diloco_data = lm.diloco_claim(cache)
     claims = [images.counts_claim(params, source), images.accuracy_claim(cache),
-              images.warmup_claim(cache), tta, comp, images.demo_claim(cache), diloco,
+              images.warmup_claim(cache), tta, comp, images.ranks_claim(cache),
+              images.demo_claim(cache), diloco,
               lm.budget_claim(cache), lm.budget_links_claim(cache)]
     return claims, {"tta": tta_curves, "composition": comp_curves, "diloco": diloco_data}
 

@@ -190,8 +190,8 @@ def ranks_claim(cache: Path) -> dict:
     out = folders.folder(cache, "image-ranks")
     todo = ir.pending(out)
     found = ir.results(out) if not todo else (
-        f"{ir.TOTAL_RUNS - len(todo)} of its {ir.TOTAL_RUNS} runs cached (python "
-        "benchmarks/image_ranks.py run OUT, then cache OUT DEST)")
+        f"{ir.TOTAL_RUNS - len(todo)} of its {ir.TOTAL_RUNS} runs cached (`python "
+        "benchmarks/image_ranks.py run OUT`, then `cache OUT DEST`)")
     methods: dict[str, Any] = {}
     met, ours = None, f"not run yet: {found}" if isinstance(found, str) else ""
     if not isinstance(found, str):
