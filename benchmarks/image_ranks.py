@@ -304,11 +304,22 @@ def verdict(found: dict, margin: float, seed: int) -> str:
     return f"DDP −{margin:g}, seed {seed}: {shown}: {j['answer']}"
 
 
+def finals(out: Path) -> str:
+    """Every finished run's final validation and test accuracy: the study so far."""
+    lines = ["| run | what | final validation | final test |", "|---|---|---|---|"]
+    for r in runs(out):
+        if (last := sweep.finished(r.path)) is not None:
+            method = r.path.name.rsplit("-s", 1)[0]
+            lines.append(f"| {r.path.name} | {label(method, r.path)} | "
+                         f"{100 * last['val_acc']:.2f}% | {100 * last['test_acc']:.2f}% |")
+    return "\n".join(lines) + "\n"
+
+
 def table(out: Path) -> str:
     """Each run's epochs and seconds to each target (test) over each link, and the verdicts."""
     found = results(out)
     if isinstance(found, str):
-        return found
+        return finals(out) + "\n" + found + "\n"
     links = found["links"]
     lines = [f"Targets: DDP's mean final test accuracy {100 * found['ddp']['test']:.2f}% "
              f"(validation {100 * found['ddp']['val']:.2f}%) minus "

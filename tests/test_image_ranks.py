@@ -96,7 +96,10 @@ def test_table_says_what_is_missing(tmp_path: Path) -> None:
     assert "DDP's two seeds" in image_ranks.table(tmp_path)
     for seed in image_ranks.SEEDS:
         _run(tmp_path, "ddp", seed, [0.9], [0.9])
-    assert "no bench for seed 0" in image_ranks.table(tmp_path)
+    _run(tmp_path, "psgd-r2", 0, [0.8, 0.85], [0.81, 0.86])
+    text = image_ranks.table(tmp_path)
+    assert "no bench for seed 0" in text
+    assert "| psgd-r2-s0 | PowerSGD rank 2 | 86.00% | 85.00% |" in text  # the study so far
 
 
 def _study(out: Path, bench: dict[int, dict[str, float]], skip: str = "") -> None:
