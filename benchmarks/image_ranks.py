@@ -43,7 +43,7 @@ from pufferfish.bench import time_to_target as ttt
 
 BASE = ("--config", "resnet18_fashion", "--width", "0.25", "--batch-size", "64", "--epochs", "20",
         "--warmup-epochs", "2", "--threads", "1", "--no-progress", "--checkpoint-every-epochs", "1")
-START_ITER = 860  # 10% of 20 epochs x 430 steps (55,000 images / 128 a step)
+START_ITER = 860  # 10% of 20 epochs x 429 steps (55,000 images / 128 a step), rounded up
 PSGD_RANKS = (1, 2, 4, 8)
 RATIOS = ("0.125", "0.25", "0.5")
 SEEDS = (0, 1)
@@ -233,6 +233,21 @@ def targets(out: Path) -> dict[str, float] | None:
             for split in ("val", "test")}
 
 
+def _unmeasured(out: Path, seed: int, times: dict, links: list[str]) -> str | None:
+    """What seed ``seed``'s bench lacks that its finished runs' phases need (the verdict's link,
+    a setting's step time over a link), said as what to run; None when it has all."""
+    missing = [] if VERDICT_LINK in links else [f"the {VERDICT_LINK} link"]
+    for method in (*METHODS, "puff-psgd"):
+        path = run_dir(out, method, seed)
+        if sweep.finished(path) is not None:
+            missing += [f"{m} over {link}" for _, m in phases(method, path) for link in links
+                        if (m, link) not in times]
+    missing = list(dict.fromkeys(missing))
+    return None if not missing else (
+        f"image_ranks: seed {seed}'s bench lacks {', '.join(missing)} (sudo image_ranks.py bench "
+        f"OUT --seed {seed} again)")
+
+
 def results(out: Path) -> dict | str:
     """Every finished run's epochs to each target and seconds over each link, per seed, from its
     seed's bench; a string says what is missing."""
@@ -247,6 +262,8 @@ def results(out: Path) -> dict | str:
             return f"image_ranks: no bench for seed {seed} yet (sudo image_ranks.py bench OUT " \
                    f"--seed {seed})"
         links = list(dict.fromkeys(link for _, link in times))
+        if (lacks := _unmeasured(out, seed, times, links)) is not None:
+            return lacks
         for method in methods:
             path = run_dir(out, method, seed)
             if sweep.finished(path) is None:

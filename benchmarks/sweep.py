@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pufferfish.training.checkpoint import latest_checkpoint
+from pufferfish.training.checkpoint.atomic import atomic_write
 from pufferfish.training.rundir import run_files
 
 __all__ = ["Run", "cache", "copy_once", "finished", "parser", "run_all", "train"]
@@ -98,25 +98,38 @@ def run_all(runs: Iterable[Run], dry_run: bool = False) -> list[Run]:
     return pending
 
 
-def copy_once(src: Path, target: Path) -> None:
-    """Copy ``src`` to ``target`` for the cache: one there already is kept when the same, and
-    refused when different (a cached result is never overwritten)."""
+def _refuse_different(src: Path, target: Path) -> None:
     if target.is_file() and target.read_bytes() != src.read_bytes():
         raise SystemExit(f"sweep: {target} is cached already and differs from {src}: allowed "
                          "a cache folder of its own, or the same result")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(src, target)
+
+
+def copy_once(src: Path, target: Path) -> None:
+    """Copy ``src`` to ``target`` for the cache, atomically (a kill leaves no half file): one
+    there already is kept when the same, and refused when different (a cached result is never
+    overwritten)."""
+    _refuse_different(src, target)
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        data = src.read_bytes()
+        atomic_write(target, lambda f: f.write(data))
 
 
 def cache(paths: Iterable[Path], dest: Path) -> list[Path]:
     """Copy each finished run of ``paths`` into ``dest`` under its own name, its record only
     (config, metrics, change records: what ``pufferfish train`` wrote at its top level, not its
-    checkpoints), each file by :func:`copy_once`; returns the copies."""
+    checkpoints), each file by :func:`copy_once` once all of the run's were checked; returns
+    the copies."""
     copies = []
     for path in (p for p in paths if finished(p) is not None):
-        for f in run_files(path):
-            if f.parent == path:
-                copy_once(f, dest / path.name / f.name)
+        files = [f for f in run_files(path) if f.parent == path]
+        if not {"config.toml", "metrics.jsonl"} <= {f.name for f in files}:
+            raise SystemExit(f"sweep: {path} holds no config.toml and metrics.jsonl of a "
+                             "`pufferfish train` run: allowed only runs the queue trained")
+        for f in files:
+            _refuse_different(f, dest / path.name / f.name)
+        for f in files:
+            copy_once(f, dest / path.name / f.name)
         copies.append(dest / path.name)
     return copies
 

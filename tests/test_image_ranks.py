@@ -21,7 +21,8 @@ STEPS = 430  # an epoch's steps: image_ranks.START_ITER is two of them
 
 
 def _run(out: Path, method: str, seed: int, test: list[float], val: list[float],
-         switch_epoch: int | None = None, rank: int | None = None) -> None:
+         switch_epoch: int | None = None, rank: int | None = None, epochs: int = 0) -> None:
+    """A run's records; ``epochs``: the run's budget when it stopped before it."""
     path = image_ranks.run_dir(out, method, seed)
     path.mkdir(parents=True)
     rows = [{"epoch": e + 1, "steps": STEPS, "test_acc": t, "val_acc": v, "params": 1}
@@ -29,11 +30,11 @@ def _run(out: Path, method: str, seed: int, test: list[float], val: list[float],
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if switch_epoch is not None:
         (path / "factorization.json").write_text(json.dumps({"epoch": switch_epoch}))
-    (path / "config.toml").write_text(f"powersgd_rank = {rank or 4}\n")
+    (path / "config.toml").write_text(f"powersgd_rank = {rank or 4}\nepochs = {epochs or len(test)}\n")
 
 
-def _bench(out: Path, seed: int, times: dict[str, float]) -> None:
-    rows = [{"method": m, "bandwidth": "100mbit", "step_time": t,
+def _bench(out: Path, seed: int, times: dict[str, float], link: str = "100mbit") -> None:
+    rows = [{"method": m, "bandwidth": link, "step_time": t,
              "spread": {"step_time": [t * 0.99, t * 1.01]}} for m, t in times.items()]
     path = image_ranks.bench_dir(out, seed)
     path.mkdir(parents=True)
@@ -99,19 +100,23 @@ def test_table_says_what_is_missing(tmp_path: Path) -> None:
     _run(tmp_path, "psgd-r2", 0, [0.8, 0.85], [0.81, 0.86])
     text = image_ranks.table(tmp_path)
     assert "no bench for seed 0" in text
+    for seed in image_ranks.SEEDS:  # a bench without PowerSGD's rank 2 nor 100 Mbit/s
+        _bench(tmp_path, seed, {"ddp": 0.1}, link="1gbit")
+    assert "seed 0's bench lacks the 100mbit link, powersgd:rank=2 over 1gbit" \
+        in image_ranks.table(tmp_path)
     assert "| psgd-r2-s0 | PowerSGD rank 2 | 86.00% | 85.00% |" in text  # the study so far
 
 
-def _study(out: Path, bench: dict[int, dict[str, float]], skip: str = "") -> None:
+def _study(out: Path, bench: dict[int, dict[str, float]], stopped: str = "") -> None:
     """A whole study, every run on DDP's curves but Pufferfish (rank ⅛), which never reaches
-    the validation target; switches after epoch 1 (the composition's after 2)."""
+    the validation target; switches after epoch 1 (the composition's after 2); ``stopped``:
+    a run stopped at epoch 4 of its 20."""
     for seed in image_ranks.SEEDS:
         for method in (*image_ranks.METHODS, "puff-psgd"):
-            if f"{method}-s{seed}" == skip:
-                continue
             val = [0.80] * 4 if method == "puff-r0.125" else [0.89, 0.91, 0.92, 0.92]
             switch = 2 if method == "puff-psgd" else 1 if method.startswith("puff") else None
-            _run(out, method, seed, [0.90, 0.92, 0.93, 0.93], val, switch_epoch=switch, rank=1)
+            _run(out, method, seed, [0.90, 0.92, 0.93, 0.93], val, switch_epoch=switch, rank=1,
+                 epochs=20 if f"{method}-s{seed}" == stopped else 0)
         _bench(out, seed, bench[seed])
 
 
@@ -125,11 +130,12 @@ def test_the_claim_states_each_side_s_fastest_either_way(tmp_path: Path) -> None
     import claims.images as images
 
     out = tmp_path / "resnet18-w0.25-fashion-e20-ranks"
-    _study(out, {0: STEP, 1: STEP}, skip="psgd-r8-s1")
+    _study(out, {0: STEP, 1: STEP}, stopped="psgd-r8-s1")
     claim = images.ranks_claim(tmp_path)
     assert claim["met"] is None and claim["readme"]["ours"].startswith(
         "not run yet: 17 of its 20 runs cached")  # the composition waits for PowerSGD's grid
-    _run(out, "psgd-r8", 1, [0.90, 0.92, 0.93, 0.93], [0.89, 0.91, 0.92, 0.92])
+    assert image_ranks.pending(out)[0] == "psgd-r8-s1"
+    (image_ranks.run_dir(out, "psgd-r8", 1) / "config.toml").write_text("epochs = 4\n")
     claim = images.ranks_claim(tmp_path)
     # to -0.5 (epoch 3, 1,290 steps): Pufferfish 1/4 430 x 0.1 + 860 x 0.02 = 60.2 s; PowerSGD
     # rank 1 860 x 0.1 + 430 x 0.05 = 107.5 s; rank 1/8 is faster on test, never on validation
@@ -144,6 +150,8 @@ def test_the_claim_states_each_side_s_fastest_either_way(tmp_path: Path) -> None
     for path in out.glob("bench-s1"):
         (path / "results.json").unlink()
         path.rmdir()
+    assert images.ranks_claim(tmp_path)["readme"]["ours"].startswith(
+        "not run yet: all 20 runs cached; image_ranks: no bench for seed 1")
     _bench(out, 1, slow)
     claim = images.ranks_claim(tmp_path)
     assert claim["met"] is False

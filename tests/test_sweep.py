@@ -200,6 +200,11 @@ def test_cache_copies_finished_runs_records_only_and_never_overwrites(tmp_path: 
     assert sorted(p.name for p in (dest / "a").iterdir()) == ["config.toml", "metrics.jsonl"]
     assert sweep.cache([runs / "a"], dest) == [dest / "a"]  # the same again: kept
     (dest / "a" / "metrics.jsonl").write_text("cached before\n")
+    (dest / "a" / "config.toml").unlink()
     with pytest.raises(SystemExit, match="cached already and differs"):
         sweep.cache([runs / "a"], dest)
     assert (dest / "a" / "metrics.jsonl").read_text() == "cached before\n"
+    assert not (dest / "a" / "config.toml").exists()  # every file checked before any copied
+    _finish(runs / "c", test_acc=0.9)  # metrics without the config of a train run
+    with pytest.raises(SystemExit, match=r"no config\.toml and metrics\.jsonl"):
+        sweep.cache([runs / "c"], tmp_path / "cache2")

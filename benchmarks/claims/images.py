@@ -189,11 +189,12 @@ def ranks_claim(cache: Path) -> dict:
 
     out = folders.folder(cache, "image-ranks")
     todo = ir.pending(out)
-    found = ir.results(out) if not todo else (
-        f"{ir.TOTAL_RUNS - len(todo)} of its {ir.TOTAL_RUNS} runs cached (`python "
-        "benchmarks/image_ranks.py run OUT`, then `cache OUT DEST`)")
+    found = "runs to go" if todo else ir.results(out)
+    status = (f"{ir.TOTAL_RUNS - len(todo)} of its {ir.TOTAL_RUNS} runs cached (`python "
+              "benchmarks/image_ranks.py run OUT`, then `cache OUT DEST`)" if todo else
+              f"all {ir.TOTAL_RUNS} runs cached; {found}")
     methods: dict[str, Any] = {}
-    met, ours = None, f"not run yet: {found}" if isinstance(found, str) else ""
+    met, ours = None, f"not run yet: {status}"
     if not isinstance(found, str):
         judged = {(m, s): ir.judge(found, m, s) for m in ir.MARGINS for s in ir.SEEDS}
         met = all(j["answer"] == "Pufferfish first" for j in judged.values())
@@ -235,7 +236,7 @@ def _ranks_cell(out: Path, judged: dict, margin: float) -> str:
         pick = seeds[0]["picks"][side]
         times = " / ".join("never" if j["times"][side] is None else
                            f"{j['times'][side].median:,.0f}" for j in seeds)
-        sides.append("no " + side + " setting reaches it on validation" if pick is None else
+        sides.append(f"no {side} setting reaches it on validation on both seeds" if pick is None else
                      f"{ir.label(pick, ir.run_dir(out, pick, 0))} {times} s")
     answers = [j["answer"] for j in seeds]
     answer = (f"{answers[0]} on both" if len(set(answers)) == 1 else
