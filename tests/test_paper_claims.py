@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from pufferfish.models.llama import LLAMA_LR_MEASURED
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import claims as cl  # noqa: E402  (benchmarks/ is not a package)
+import folders  # noqa: E402
+from claims import images  # noqa: E402
 
 KEYS = {"id", "title", "paper", "unit", "target", "met", "methods", "command", "sources",
         "limits", "chosen_on"}
@@ -147,6 +150,24 @@ def test_one_demo_row_from_the_current_demo(generated: Path) -> None:
     assert [i for i in claims if "demo" in i] == ["demo"]
     sources = claims["demo"]["sources"]
     assert sources and all("demo-peers-2026-12-05" in s for s in sources)
+
+
+def test_the_demo_row_names_the_methods_the_demo_ran_with_their_settings(
+        tmp_path: Path) -> None:
+    """A demo run at the image study's settings (``powersgd:rank=1``,
+    ``pufferfish:rank_ratio=0.125``): the cached demo, its methods renamed."""
+    demo = folders.folder(tmp_path, "demo")
+    shutil.copytree(folders.folder(ROOT / folders.CACHE, "demo"), demo)
+    names = {"powersgd": "powersgd:rank=1", "pufferfish": "pufferfish:rank_ratio=0.125"}
+    for old, new in names.items():
+        (demo / "train" / "100mbit" / old).rename(demo / "train" / "100mbit" / new)
+    results = json.loads((demo / "train_results.json").read_text())
+    for run in results["runs"]:
+        run["method"] = names.get(run["method"], run["method"])
+    (demo / "train_results.json").write_text(json.dumps(results))
+    ours = images.demo_claim(tmp_path)["readme"]["ours"]
+    assert "powersgd:rank=1 95 s (88.18%, 4 epochs)" in ours, ours
+    assert "first: powersgd:rank=1; Pufferfish 3.32x fewer parameters" in ours
 
 
 def test_the_prose_states_the_budget_rules_resolution_as_claimed(generated: Path) -> None:
