@@ -67,7 +67,7 @@ def label(method: str, path: Path) -> str:
         return f"PowerSGD rank {method[6:]}"
     if method.startswith("puff-r"):
         return f"Pufferfish (rank {FRACTIONS[method[6:]]})"
-    puff = f"Pufferfish (rank {FRACTIONS['0.25']})"  # the compositions' ratio (RATIO)
+    puff = f"Pufferfish (rank {FRACTIONS[RATIO]})"  # the compositions' ratio
     return f"{puff} + fp16" if method == "puff-fp16" else \
         f"{puff} + PowerSGD rank {_config_rank(path)}"
 

@@ -11,6 +11,7 @@ import folders
 
 from claims import (
     DOCS,
+    LINK_NAMES,
     config_of,
     final,
     gap,
@@ -209,7 +210,7 @@ def ranks_claim(cache: Path) -> dict:
         methods = {k: {**stats({int(s): v for s, v in e["seeds"].items()}), "rounds": e["rounds"]}
                    for k, e in methods.items()}
         ours = "; ".join(_ranks_cell(out, judged, m) for m in ir.MARGINS) + \
-            f" (test, {ir.VERDICT_LINK.replace('mbit', ' Mbit/s')}, each side's fastest chosen on validation)"
+            f" (test, {LINK_NAMES[ir.VERDICT_LINK]}, each side's fastest chosen on validation)"
     return record(
         "baselines-at-best", "Pufferfish against PowerSGD, each at its best (ResNet-18 ¼)",
         "(not in the paper: it compares them at one setting)", "seconds to the target",
