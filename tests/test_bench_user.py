@@ -298,7 +298,7 @@ def test_two_machines_under_torchrun(workloads: Path, tmp_path: Path) -> None:
 
 def test_under_torchrun_each_rank_takes_its_node_s_device_and_the_group_s_backend(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from pufferfish.bench.launched import launched_device
+    from pufferfish.bench.step import rank_device
 
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -306,8 +306,8 @@ def test_under_torchrun_each_rank_takes_its_node_s_device_and_the_group_s_backen
                 if torch.cuda.device_count() >= 2 else (torch.device("cpu"), "gloo"))
     if torch.cuda.device_count() == 1:
         expected = (torch.device("cuda", 0), "gloo")  # two ranks share the one GPU
-    assert launched_device("auto", cpu_only=False) == expected
-    assert launched_device("auto", cpu_only=True) == (torch.device("cpu"), "gloo")  # FSDP2
+    assert rank_device("auto", cpu_only=False) == expected
+    assert rank_device("auto", cpu_only=True) == (torch.device("cpu"), "gloo")  # FSDP2
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="--device 'cuda' is invalid here"):
-            launched_device("cuda", cpu_only=False)
+            rank_device("cuda", cpu_only=False)

@@ -20,9 +20,10 @@ from pufferfish.bench.progress import measuring
 from pufferfish.bench.results import project
 from pufferfish.bench.rounds import compute_check, summarize
 from pufferfish.bench.runner import BenchConfig
-from pufferfish.bench.step import amp_for, pick_device
+from pufferfish.bench.step import amp_for
 from pufferfish.bench.verdict import catch_up, verdict
 from pufferfish.cli import main
+from pufferfish.distributed.env import pick_device
 from pufferfish.training.step import timed
 
 
@@ -143,6 +144,19 @@ def test_projection_uses_the_figures_and_says_where_it_fell_back(tmp_path: Path)
     assert "FALLS BACK to this machine's low-rank/full ratio (0.50) for pufferfish" in md
 
 
+def test_results_md_names_the_device_and_on_a_gpu_what_compress_leaves_out(
+        tmp_path: Path) -> None:
+    gpu = [{**r, "device": "cuda:0", "device_name": "NVIDIA H100 80GB HBM3"} for r in SLOW]
+    md = results_markdown(*_result(gpu, ["100mbit"], ["ddp", "powersgd", "pufferfish"],
+                                   tmp_path), plots=[])
+    assert "Measured on: cuda (NVIDIA H100 80GB HBM3)." in md
+    assert "compress is the host's time around the hooks' encode/decode" in md
+    cpu = [{**r, "device": "cpu", "device_name": ""} for r in SLOW]
+    md = results_markdown(*_result(cpu, ["100mbit"], ["ddp", "powersgd", "pufferfish"],
+                                   tmp_path), plots=[])
+    assert "Measured on: cpu." in md and "host's time around" not in md
+
+
 # -- the step workers: device, precision, timing, progress ----------------------------------------
 
 
@@ -153,6 +167,9 @@ def test_pick_device_and_backend() -> None:
     assert pick_device("auto", 1, 2, cuda_count=2) == (torch.device("cuda", 1), "nccl")
     # Two ranks on one GPU: NCCL refuses a shared device, gloo carries the tensors.
     assert pick_device("auto", 1, 2, cuda_count=1) == (torch.device("cuda", 0), "gloo")
+    # Four processes of a machine on two GPUs: local rank 3 on GPU 1, shared, so gloo.
+    assert pick_device("auto", 3, 4, cuda_count=2) == (torch.device("cuda", 1), "gloo")
+    assert pick_device("auto", 3, 4, cuda_count=8) == (torch.device("cuda", 3), "nccl")
     with pytest.raises(ValueError, match="--device 'cuda' is invalid here"):
         pick_device("cuda", 0, 2, cuda_count=0)
     with pytest.raises(ValueError, match="--device 'tpu' is invalid: allowed auto, cpu, cuda"):

@@ -180,9 +180,26 @@ def _signum_vote(rank: int) -> dict[str, Any]:
     }
 
 
-def _resume(name: str, rank: int) -> dict[str, Any]:
-    """Checkpoint the hook state mid-run; a fresh model/DDP/state must continue identically."""
-    model = _mlp()
+def _elsewhere(state: dict[str, Any]) -> dict[str, Any]:
+    """The memory's floating tensors in float64: memory not where the gradients are, as a
+    checkpoint's CPU tensors are for a run resumed on a GPU (exactly representable here)."""
+    return {k: {i: t.double() if t.is_floating_point() else t for i, t in v.items()}
+            if isinstance(v, dict) and all(isinstance(t, torch.Tensor) for t in v.values())
+            else v for k, v in state.items()}
+
+
+def _one_layer() -> nn.Module:
+    """One weight: one bucket whose layout on a fresh DDP's first step is the saved one, so
+    resumed memory goes straight into torch's PowerSGD (no re-assembly on a layout change)."""
+    torch.manual_seed(0)
+    return nn.Linear(16, 4, bias=False)
+
+
+def _resume(name: str, rank: int, elsewhere: bool = False) -> dict[str, Any]:
+    """Checkpoint the hook state mid-run; a fresh model/DDP/state must continue identically
+    (``elsewhere``: one layer, the loaded memory in another dtype than the gradients)."""
+    make = _one_layer if elsewhere else _mlp
+    model = make()
     ddp = DDP(model)
     state = register_comm_hook(ddp, name, **OPTIONS[name])
     opt = torch.optim.SGD(ddp.parameters(), lr=LR[name])
@@ -200,12 +217,13 @@ def _resume(name: str, rank: int) -> dict[str, Any]:
     for i in range(3, 6):
         step(ddp, opt, i)
 
-    model2 = _mlp()
+    model2 = make()
     model2.load_state_dict(weights)
     ddp2 = DDP(model2)
     state2, hook2 = make_comm_hook(name, **OPTIONS[name])
     blob.seek(0)
-    state2.load_state_dict(torch.load(blob, weights_only=True))
+    loaded = torch.load(blob, weights_only=True)
+    state2.load_state_dict(_elsewhere(loaded) if elsewhere else loaded)
     ddp2.register_comm_hook(state2, hook2)
     opt2 = torch.optim.SGD(ddp2.parameters(), lr=LR[name])
     for i in range(3, 6):
@@ -256,6 +274,8 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             },
             "signum": _signum_vote(rank),
             "resume": {name: _resume(name, rank) for name in ("powersgd", "signum", "topk")},
+            "resume_elsewhere": {name: _resume(name, rank, elsewhere=True)
+                                 for name in ("powersgd", "signum", "topk")},
             "nonfinite": {name: _nonfinite_step(name, rank)
                           for name in ("powersgd", "topk", "signum")},
         }
@@ -374,6 +394,8 @@ def test_signum_majority_vote(runs):
 def test_state_dict_resume_is_exact(runs, name):
     for r in runs:
         assert r["resume"][name]["gap"] == 0.0
+        # memory loaded on another device / in another dtype is moved to the gradients' own
+        assert r["resume_elsewhere"][name]["gap"] == 0.0
 
 
 @pytest.mark.parametrize("name", ["powersgd", "topk"])

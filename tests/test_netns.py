@@ -84,18 +84,20 @@ def test_format_bps() -> None:
 
 _ENV_DUMP = (
     "import os; print(' '.join(os.environ[k] for k in "
-    "('MASTER_ADDR','RANK','WORLD_SIZE','LOCAL_RANK','GLOO_SOCKET_IFNAME')))"
+    "('MASTER_ADDR','RANK','WORLD_SIZE','LOCAL_RANK','LOCAL_WORLD_SIZE','GLOO_SOCKET_IFNAME')))"
 )
 
 
 def test_run_workers_loopback_env() -> None:
+    # The ranks are one machine's processes (LOCAL_RANK of LOCAL_WORLD_SIZE, as torchrun's), so
+    # that on GPUs each takes its own (distributed.env.pick_device), not all of them GPU 0.
     res = run_workers(
-        None, lambda r: [sys.executable, "-c", _ENV_DUMP], master_port=12345, timeout=30
+        None, lambda r: [sys.executable, "-c", _ENV_DUMP], master_port=12345, timeout=30,
+        world_size=3,
     )
-    assert [p.returncode for p in res] == [0, 0]
+    assert [p.returncode for p in res] == [0, 0, 0]
     assert [p.stdout.split() for p in res] == [
-        ["127.0.0.1", "0", "2", "0", "lo"],
-        ["127.0.0.1", "1", "2", "0", "lo"],
+        ["127.0.0.1", str(r), "3", str(r), "3", "lo"] for r in range(3)
     ]
 
 

@@ -376,6 +376,19 @@ def _mixed_precision_rewrap() -> dict[str, Any]:
             "mixed_precision": ddp.mixed_precision == old.mixed_precision}
 
 
+def _switch_unwrapped(rank: int) -> dict[str, Any]:
+    """A model without DDP (whose wrap would broadcast), different on each rank: the switch
+    gives every rank rank 0's factors (an SVD need not give the same bits on every GPU)."""
+    torch.manual_seed(rank)
+    model = _mlp()
+    mine = pf.Recipe(warmup_epochs=1, rank_ratio=0.25).switch(1, model, None)[0]
+    flat = torch.cat([p.detach().flatten() for p in mine.parameters()])
+    both = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(both, flat)
+    return {"replica_gap": (both[0] - both[1]).abs().max().item(),
+            "lowrank": sum(isinstance(m, LowRankModule) for m in mine.modules())}
+
+
 def _ddp_worker(rank: int, port: int, queue: Any) -> None:
     def work() -> dict[str, Any]:
         return {
@@ -387,6 +400,7 @@ def _ddp_worker(rank: int, port: int, queue: Any) -> None:
             "on_wrap": _ddp_run(rank, dict(find_unused_parameters=True), hook="topk",
                                 on_wrap=_on_wrap_topk),
             "mixed_precision": _mixed_precision_rewrap(),
+            "unwrapped": _switch_unwrapped(rank),
         }
     report_to_parent(rank, port, queue, work)
 
@@ -432,6 +446,12 @@ def test_ddp_rewrap_mixed_precision_is_set_up_once(ddp_results: dict[int, Any]) 
     assert r["options_kept"] and r["mixed_precision"]
     before, after = r["hooks"]
     assert before == after  # DDP's own upcast comm hook and copy hooks, not twice
+
+
+def test_switch_gives_every_rank_rank_0s_factors(ddp_results: dict[int, Any]) -> None:
+    for rank in (0, 1):
+        r = ddp_results[rank]["unwrapped"]
+        assert r["lowrank"] >= 1 and r["replica_gap"] == 0.0
 
 
 def test_swap_follows_a_tied_weight_by_name() -> None:

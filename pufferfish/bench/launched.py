@@ -4,7 +4,7 @@ On one machine the bench launches its own ranks (:mod:`.workers`) over loopback 
 link. Under ``torchrun`` (any ``--nnodes`` / ``--nproc-per-node``, its rendezvous as the user set
 it) the processes are already there, on the user's machines and network: every process runs the
 same ``pufferfish bench`` command, joins one process group (NCCL on a GPU per local rank, else
-gloo: :func:`launched_device`), and
+gloo: :func:`~.step.rank_device`), and
 
 1. probes the link between the ranks with the all-reduces of ``_probe.measure`` (bus bandwidth of
    a large one, round trip of a one-float one): the links table's one row, ``torchrun``;
@@ -39,10 +39,10 @@ from .step import (  # the step worker's own protocol
     _record,
     _steps_batches,
     measure,
-    pick_device,
+    rank_device,
 )
 
-__all__ = ["TORCHRUN_LINK", "is_rank0", "launched_device", "launched_world", "measure_in_group",
+__all__ = ["TORCHRUN_LINK", "is_rank0", "launched_world", "measure_in_group",
            "torchrun_links", "under_torchrun"]
 
 _TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -87,7 +87,7 @@ def measure_in_group(methods: Sequence[str], rounds: int, step_flags: Sequence[s
     that a method is measured exactly as in the bench's own worker groups. Every rank returns
     ``{"links", "order", "rounds", "skipped", "failures"}``; only rank 0's records are filled."""
     args = _parser().parse_args(list(step_flags))
-    device, backend = launched_device(args.device, any(base_of(m) in FSDP_METHODS for m in methods))
+    device, backend = rank_device(args.device, any(base_of(m) in FSDP_METHODS for m in methods))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     finished = False
     try:
@@ -116,21 +116,6 @@ def measure_in_group(methods: Sequence[str], rounds: int, step_flags: Sequence[s
     finally:
         cleanup(drain=finished)  # the process then ends with exit_process(status) in __main__
     return {"links": [link], "order": order, "rounds": records, "skipped": [], "failures": []}
-
-
-def launched_device(requested: str, cpu_only: bool) -> tuple[torch.device, str]:
-    """This rank's device and the group's backend under the user's torchrun: a GPU of its own
-    node (``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE``) and NCCL when each local rank has one
-    (:func:`~.step.pick_device`); the CPU and gloo otherwise, or when an FSDP2 method is measured
-    (timed on the CPU, as in the bench's own worker groups). NCCL's own transports are left as the
-    user's cluster sets them (the emulated links' switches are not applied here)."""
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    device, backend = pick_device("cpu" if cpu_only else requested, local, local_world,
-                                  torch.cuda.device_count())
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device, backend
 
 
 def _probe_link(nbytes: int, log: Callable[[str], None],

@@ -92,6 +92,7 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
         "link rate under the ring model) / step, 1.0 when communication hides entirely; vs "
         "torch's buckets = the same group's steps with torch's default buckets right after "
         "the timed ones / the timed step (1.00x where the method's cap is torch's).",
+        *_devices_lines(result),
         "",
         "## Links",
         "",
@@ -124,6 +125,23 @@ def results_markdown(cfg: BenchConfig, result: dict[str, Any], plots: list[Path]
     if plots:
         lines += ["", *[f"![{p.stem}]({p.name})" for p in plots]]
     return "\n".join(lines) + "\n"
+
+
+def _devices_lines(result: dict[str, Any]) -> list[str]:
+    """Where the steps ran (records from before devices were named say nothing), and, on a GPU,
+    what the host's clock cannot see: the compressors' GPU encode/decode."""
+    seen = sorted({(str(r.get("device", "cpu")).split(":")[0], r.get("device_name") or "")
+                   for r in result.get("rounds", []) if "device_name" in r})
+    if not seen:
+        return []
+    lines = ["", "Measured on: " + ", ".join(f"{kind} ({name})" if name else kind
+                                            for kind, name in seen) + "."]
+    if any(kind == "cuda" for kind, _ in seen):
+        lines.append("On a GPU, compress is the host's time around the hooks' encode/decode (the "
+                     "kernels' launches, not their GPU work): a lower bound, so the predicted "
+                     "column and the projections leave the compressors' GPU work out and flatter "
+                     "PowerSGD, top-k and signum; the measured steps include it.")
+    return lines
 
 
 def _variants(cfg: BenchConfig) -> str:

@@ -344,8 +344,9 @@ class EmulatedLink:
         return ["ip", "netns", "exec", self.namespaces[i], *argv]
 
     def env(self, i: int) -> dict[str, str]:
-        """Environment that pins gloo (and tensorpipe) to endpoint ``i``'s veth."""
-        return {"GLOO_SOCKET_IFNAME": self.interfaces[i], "TP_SOCKET_IFNAME": self.interfaces[i]}
+        """Environment that pins gloo, tensorpipe and NCCL to endpoint ``i``'s veth."""
+        return {"GLOO_SOCKET_IFNAME": self.interfaces[i], "TP_SOCKET_IFNAME": self.interfaces[i],
+                "NCCL_SOCKET_IFNAME": self.interfaces[i]}
 
     def describe(self) -> str:
         s = f"emulated {format_bps(self.rate_bps)} veth link"

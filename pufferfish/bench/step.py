@@ -67,7 +67,7 @@ past id ``--vocab`` - 1 as one id), prepared before timing so data loading is ne
 timed. ``galore`` is full-rank DDP with GaLore's optimizer (:mod:`pufferfish.baselines.galore`) on the layers
 Pufferfish factorizes; ``--compile`` compiles every method's model (warm-up steps include it).
 
-Device (:func:`pick_device`): with ``--device auto`` each rank runs on a GPU when CUDA is there
+Device (:func:`rank_device`): with ``--device auto`` each rank runs on a GPU when CUDA is there
 (rank ``r`` on GPU ``r mod count``), with NCCL when every rank has its own GPU and gloo when ranks
 share one (NCCL refuses two ranks on one device); a group with an FSDP2 method runs on the CPU
 (its records say so: ``device``). Every timed step is wrapped in ``torch.cuda.synchronize()``
@@ -87,7 +87,6 @@ import gc
 import inspect
 import itertools
 import json
-import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -107,7 +106,7 @@ from ..data import (
 )
 from ..distributed.buckets import BucketTuner, bucket_overrides, parse_bucket_mb
 from ..distributed.diloco import DiLoCoState
-from ..distributed.env import cleanup, exit_process
+from ..distributed.env import cleanup, exit_process, local_ranks, pick_device
 from ..distributed.hooks import hook_options, register_comm_hook
 from ..models import get_spec
 from ..training.step import Replica, micro_batch_groups, timed, to_device
@@ -132,7 +131,7 @@ from .workload import (
     train_one_step,
 )
 
-__all__ = ["PUFFERFISH_RANK_RATIO", "amp_for", "main", "method_options", "pick_device"]
+__all__ = ["PUFFERFISH_RANK_RATIO", "amp_for", "device_facts", "main", "method_options", "rank_device"]
 
 # No BatchNorm-statistics broadcast in forward (see the module docstring); newer torch
 # renamed the flag and warns about the old one.
@@ -146,23 +145,6 @@ _NO_BUFFER_SYNC = (
 def method_options(hook: str, args: argparse.Namespace) -> dict[str, Any]:
     """Hyperparameters of ``hook`` from the command line (the hooks' own names)."""
     return hook_options(hook, args)
-
-
-def pick_device(requested: str, local_rank: int, world: int,
-                cuda_count: int) -> tuple[torch.device, str]:
-    """``(device, backend)`` of one rank: ``auto`` is CUDA when there is a GPU (rank ``r`` on GPU
-    ``r mod cuda_count``), else the CPU; the backend is NCCL when every rank has a GPU of its
-    own, else gloo (ranks sharing a GPU, or the CPU). ``ValueError`` (one line) for ``cuda``
-    without a GPU or a device outside ``auto``, ``cpu``, ``cuda``."""
-    if requested not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--device {requested!r} is invalid: allowed auto, cpu, cuda")
-    if requested == "cuda" and cuda_count < 1:
-        raise ValueError("--device 'cuda' is invalid here: torch sees no CUDA device; allowed "
-                         "auto or cpu")
-    if requested == "cpu" or cuda_count < 1:
-        return torch.device("cpu"), "gloo"
-    device = torch.device("cuda", local_rank % cuda_count)
-    return device, "nccl" if cuda_count >= world else "gloo"
 
 
 def amp_for(amp: str, device: torch.device) -> tuple[Any, Any]:
@@ -331,7 +313,7 @@ def measure(args: argparse.Namespace, method: str, minibatches: list[Any],
         "hook": hook,
         "bucket_mib": chosen,
         "bucket_trial_ms": tuner.decisions[-1].get("median_ms"),
-        "device": str(device),
+        **device_facts(device),
         "amp": args.amp,
     }
 
@@ -427,7 +409,7 @@ def _measure_diloco(args: argparse.Namespace, method: str, minibatches: list[Any
         "inner_steps": h, "params": sum(p.numel() for p in model.parameters()),
         "params_full": full_params, "factorized": factorized, "hook": hook,
         "bucket_mib": None, "bucket_trial_ms": None,  # no DDP, so no buckets (as FSDP2's)
-        "device": str(device), "amp": args.amp,
+        **device_facts(device), "amp": args.amp,
     }
 
 
@@ -467,7 +449,8 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             )
         },
         **{k: r0[k] for k in SHARDED_COUNTS if k in r0},  # FSDP2 methods only
-        "device": r0.get("device", "cpu"), "amp": r0.get("amp", "none"),
+        "device": r0.get("device", "cpu"), "device_name": r0.get("device_name", ""),
+        "amp": r0.get("amp", "none"),
         **({"inner_steps": r0["inner_steps"],  # DiLoCo methods only: the slowest outer step
             "outer_step_time": max(r["outer_step_time"] for r in per_rank)}
            if "inner_steps" in r0 else {}),
@@ -493,19 +476,20 @@ def _record(args: argparse.Namespace, method: str, world: int,
     }
 
 
-def _device(args: argparse.Namespace) -> tuple[torch.device, str]:
-    """This rank's device and the group's backend (:func:`pick_device`); FSDP2 methods are timed
-    on the CPU. With NCCL over an emulated link (a master address other than loopback), NCCL's
-    shared-memory and peer-to-peer paths are switched off, so that its traffic crosses the link."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-    cpu_only = any(base_of(m) in FSDP_METHODS for m in args.methods)
-    device, backend = pick_device("cpu" if cpu_only else args.device, local, world,
-                                  torch.cuda.device_count())
-    if backend == "nccl" and os.environ.get("MASTER_ADDR", "127.0.0.1") not in (
-            "127.0.0.1", "localhost"):
-        os.environ.setdefault("NCCL_P2P_DISABLE", "1")
-        os.environ.setdefault("NCCL_SHM_DISABLE", "1")
+def device_facts(device: torch.device) -> dict[str, str]:
+    """What a record says of where it ran: the device and, on a GPU, its model's name."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return {"device": str(device), "device_name": name}
+
+
+def rank_device(requested: str, cpu_only: bool) -> tuple[torch.device, str]:
+    """This process's device and the group's backend (:func:`~pufferfish.distributed.env.
+    pick_device`, from ``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE``: the bench's own workers are the
+    processes of this machine, as under torchrun); ``cpu_only``: the CPU and gloo (FSDP2 methods
+    are timed on the CPU). The GPU is made the current device."""
+    local, local_world = local_ranks()
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device, backend = pick_device("cpu" if cpu_only else requested, local, local_world, count)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device, backend
@@ -515,7 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    device, backend = _device(args)
+    device, backend = rank_device(args.device, any(base_of(m) in FSDP_METHODS
+                                                   for m in args.methods))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
     finished = False
     try:

@@ -56,9 +56,10 @@ def run_workers(
     """Run one process per rank, each in its namespace, wired up for torch.distributed.
 
     Every rank gets ``MASTER_ADDR`` (endpoint 0), ``MASTER_PORT``, ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK=0`` and ``GLOO_SOCKET_IFNAME``.  With ``link=None``
-    the same thing runs on 127.0.0.1 (``GLOO_SOCKET_IFNAME=lo``) so the benchmark has a
-    single code path for loopback and emulated conditions.
+    ``WORLD_SIZE``, ``LOCAL_RANK`` (its rank: one machine's processes), ``LOCAL_WORLD_SIZE`` and
+    ``GLOO_SOCKET_IFNAME`` (and NCCL's, over a link, with NCCL's same-machine paths switched
+    off).  With ``link=None`` the same thing runs on 127.0.0.1 (``GLOO_SOCKET_IFNAME=lo``) so
+    the benchmark has a single code path for loopback and emulated conditions.
 
     If a rank exits non-zero the others would block in a collective until gloo's
     30-minute timeout, so they are killed after ``fail_fast_grace`` seconds.  On
@@ -148,12 +149,18 @@ def _worker_env(
             "MASTER_PORT": str(port),
             "RANK": str(rank),
             "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1",
+            # the ranks are this machine's processes: each takes its own GPU where there are
+            # enough (distributed.env.pick_device), as torchrun's would
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
         }
     )
     if link is not None:
         wenv.update(link.env(rank))
+        # NCCL between GPUs of one machine takes shared memory or peer-to-peer copies, around
+        # the emulated link: switched off, its traffic goes over the veth as gloo's does.
+        wenv.setdefault("NCCL_P2P_DISABLE", "1")
+        wenv.setdefault("NCCL_SHM_DISABLE", "1")
     else:
         wenv.update({"GLOO_SOCKET_IFNAME": "lo", "TP_SOCKET_IFNAME": "lo"})
     return wenv

@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -140,8 +141,10 @@ class BucketTuner:
         cap = trial["schedule"][trial["visit"]]
         if trial["step"] == 0 and cap != self.cap:
             self.rewrap(replica, cap)
+        _synchronize()  # on a GPU the host's clock sees launches, not the step's work
         t0 = time.perf_counter()
         yield
+        _synchronize()
         seconds = time.perf_counter() - t0
         if trial["step"] > 0:  # the first step after a wrap assigns the buckets
             trial["times"][_label(cap)].append((trial["rounds"][trial["visit"]], seconds))
@@ -214,3 +217,9 @@ class BucketTuner:
             self.cap = float(self.setting)
         elif self.setting == TORCH:
             self.cap = None
+
+
+def _synchronize() -> None:
+    """Wait for this process's queued GPU work (nothing on the CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .env import collective_device
 from .fsdp import is_dtensor
 from .fsdp import local as _local  # this process's shard of a DTensor, or the tensor
 from .hooks.accounting import CommStats
@@ -126,8 +127,8 @@ class DiLoCoState:
     def checksums(self) -> torch.Tensor:
         """One float64 checksum per parameter and buffer (sum and sum of squares)."""
         tensors = [*self._params, *(self.model.buffers() if self.model is not None else [])]
-        if not tensors:
-            return torch.zeros(2, dtype=torch.float64)
+        if not tensors:  # on the device collectives run on (NCCL takes no CPU tensor)
+            return torch.zeros(2, dtype=torch.float64, device=collective_device(self.process_group))
         local = [_local(t.detach()).double() for t in tensors]
         return torch.stack([torch.stack([t.sum(), t.square().sum()]) for t in local]).flatten()
 
@@ -136,7 +137,7 @@ class DiLoCoState:
         mine = self.checksums()
         theirs = mine.clone()
         dist.broadcast(theirs, group=self.process_group, group_src=0)
-        disagree = torch.tensor([0.0 if torch.equal(mine, theirs) else 1.0])
+        disagree = torch.tensor([0.0 if torch.equal(mine, theirs) else 1.0], device=mine.device)
         dist.all_reduce(disagree, group=self.process_group)
         return disagree.item() == 0
 

@@ -16,6 +16,7 @@ import os
 import sys
 import warnings
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -26,8 +27,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-__all__ = ["DistEnv", "all_reduce_sum", "broadcast_object", "cleanup", "ddp_options", "exit_process",
-           "gather_object", "idle_cpus", "rebuild_ddp_in_place", "rewrap_ddp", "say", "setup", "wrap_ddp"]
+__all__ = ["DistEnv", "all_reduce_sum", "broadcast_in_place", "broadcast_object", "cleanup", "collective_device", "ddp_options", "exit_process",
+           "gather_object", "gather_to_main", "idle_cpus", "local_ranks", "pick_device",
+           "rebuild_ddp_in_place", "rewrap_ddp", "say", "setup", "wrap_ddp"]
 
 
 @dataclass(frozen=True)
@@ -59,22 +61,48 @@ def idle_cpus() -> int:
     return max(1, min(torch.get_num_threads(), (cpus or 1) - busy))
 
 
+def pick_device(requested: str, local_rank: int, local_world: int,
+                cuda_count: int) -> tuple[torch.device, str]:
+    """``(device, backend)`` of one process of a machine running ``local_world`` of them: ``auto``
+    is CUDA when there is a GPU (local rank ``r`` on GPU ``r mod cuda_count``), else the CPU; the
+    backend is NCCL when every process of the machine has a GPU of its own, else gloo (processes
+    sharing a GPU, which NCCL refuses, or the CPU). ``ValueError`` (one line) for ``cuda``
+    without a GPU or a device outside ``auto``, ``cpu``, ``cuda``."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device {requested!r} is invalid: allowed auto, cpu, cuda")
+    if requested == "cuda" and cuda_count < 1:
+        raise ValueError("--device 'cuda' is invalid here: torch sees no CUDA device; allowed "
+                         "auto or cpu")
+    if requested == "cpu" or cuda_count < 1:
+        return torch.device("cpu"), "gloo"
+    device = torch.device("cuda", local_rank % cuda_count)
+    return device, "nccl" if cuda_count >= local_world else "gloo"
+
+
+def local_ranks() -> tuple[int, int]:
+    """``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` of this process (torchrun's; ``(0, 1)`` alone)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+
+
 def setup(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     """Join torchrun's process group if launched by it; pick the device and backend.
 
-    ``auto`` means NCCL when CUDA is available and gloo otherwise. ``timeout_s`` bounds every
-    collective: a peer that vanished makes the others fail after it instead of hanging forever.
+    The device and ``auto``'s backend are :func:`pick_device`'s: a GPU of this machine when CUDA
+    is there (NCCL when each process has its own, gloo when they share), else the CPU and gloo.
+    ``timeout_s`` bounds every collective: a peer that vanished makes the others fail after it
+    instead of hanging forever.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
+    local_rank, local_world = local_ranks()
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device, auto_backend = pick_device("auto", local_rank, local_world, count)
     if backend == "auto":
-        backend = "nccl" if cuda else "gloo"
-    if backend == "nccl" and not cuda:
+        backend = auto_backend
+    if backend == "nccl" and not count:
         raise ValueError("backend 'nccl' needs CUDA, which is not available here: use gloo or auto")
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         return DistEnv(device=device)
@@ -363,12 +391,41 @@ def broadcast_object(obj: Any, env: DistEnv | None = None) -> Any:
     return box[0]
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor made for a collective of ``group`` must live: this process's GPU under
+    NCCL (which takes no CPU tensor), else the CPU."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_in_place(tensors: Iterable[torch.Tensor]) -> None:
+    """Rank 0's values into every rank's ``tensors``, in place, over the default group (nothing
+    on one process). For what each rank computed from equal inputs but need not get bitwise equal
+    (an SVD on a GPU): replicas must hold the same numbers."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t.detach(), src=0)
+
+
 def gather_object(obj: Any, env: DistEnv) -> list[Any]:
     """``obj`` of every rank, in rank order (``[obj]`` on one process)."""
     if not env.distributed:
         return [obj]
     out: list[Any] = [None] * env.world_size
     dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_to_main(obj: Any, env: DistEnv) -> list[Any] | None:
+    """``obj`` of every rank, in rank order, on rank 0 only (None elsewhere; ``[obj]`` on one
+    process): what only rank 0 writes, without every rank receiving every rank's copy."""
+    if not env.distributed:
+        return [obj]
+    out: list[Any] | None = [None] * env.world_size if env.is_main else None
+    dist.gather_object(obj, out, dst=0)
     return out
 
 

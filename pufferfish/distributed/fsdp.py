@@ -13,8 +13,8 @@ again), then the root, so that its lazy initialization sees the new units. FSDP2
 "un-shard" call; :func:`_remove_fsdp` is the one place that knows its internals (torch 2.13).
 
 :func:`gathered` gives one module's full weights for a moment (``DTensor.full_tensor()``), which is
-how a switch reads dense weights one layer at a time; :func:`check_replicated` makes sure that what
-every process computed from them (the SVD factors) is bitwise the same before it is sharded.
+how a switch reads dense weights one layer at a time (every process then takes rank 0's SVD
+factors, :func:`pufferfish.distributed.env.broadcast_in_place`, before they are sharded).
 
 Buffers (BatchNorm statistics) are not sharded and FSDP2 does not synchronize them; as DDP does
 with ``broadcast_buffers``, the first process's buffers are broadcast (over the processes that
@@ -25,9 +25,8 @@ checkpoints).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +40,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FsdpBytes",
-    "check_replicated",
     "comm_bytes",
     "fsdp_units",
     "gathered",
@@ -353,26 +351,6 @@ def gathered(module: nn.Module) -> Iterator[nn.Module]:
     finally:
         for owner, name, p in saved:
             owner._parameters[name] = p
-
-
-def check_replicated(named: Iterable[tuple[str, torch.Tensor]], what: str = "factors") -> None:
-    """Raise RuntimeError naming the first tensor that is not bitwise equal on every rank."""
-    if not dist.is_initialized():
-        return
-    named = list(named)
-    digests = [int.from_bytes(hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()
-                                             if t.dtype != torch.bfloat16 else
-                                             t.detach().float().cpu().numpy().tobytes()
-                                             ).digest()[:7], "little") for _, t in named]
-    mine = torch.tensor(digests, dtype=torch.int64)
-    low, high = mine.clone(), mine.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    for (name, _), lo, hi in zip(named, low.tolist(), high.tolist()):
-        if lo != hi:
-            raise RuntimeError(f"the {what} of {name} differ across ranks (SHA-256 of the bytes): "
-                               "the SVD is not deterministic on this device; refusing to shard "
-                               "them")
 
 
 # -- accounting --------------------------------------------------------------------------------

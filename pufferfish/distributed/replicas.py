@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .env import collective_device
+
 __all__ = ["grid", "replica_mesh"]
 
 
@@ -43,7 +45,7 @@ def replica_mesh(shard_size: int, device_type: str) -> DeviceMesh:
     collective. Every machine must run as many processes when ``shard_size`` is 0."""
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    sizes = torch.tensor([local, -local])
+    sizes = torch.tensor([local, -local], device=collective_device())
     dist.all_reduce(sizes, op=dist.ReduceOp.MIN)  # before any refusal: every process learns it
     low, high = int(sizes[0]), -int(sizes[1])
     if not shard_size and low != high:

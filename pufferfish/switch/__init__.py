@@ -39,7 +39,7 @@ from ..auto import (
     time_kernels,
 )
 from ..distributed import fsdp
-from ..distributed.env import broadcast_object
+from ..distributed.env import broadcast_in_place, broadcast_object
 from ..lowrank import FactorizationReport, LowRankModule, factorize
 from ..lowrank.base import low_rank_class_for_type
 from ..lowrank.factorize import factorizable_modules
@@ -280,9 +280,12 @@ class FactorizationPlan:
             if sharded:  # FSDP2's own state-dict hooks stay with the module they served
                 warnings.filterwarnings("ignore", message="the state_dict hooks of")
             self.report = factorize(model, **kwargs)
-        if sharded:  # every rank shards its own copy: they must be the same
-            fsdp.check_replicated((n, p) for n, p in model.named_parameters()
-                                  if not fsdp.is_dtensor(p))
+        # Every rank factorized its own copy; an SVD need not give the same bits on every
+        # rank (GPUs), so all take rank 0's factors: the replicas, the shards made of them and
+        # the optimizer state carried through them agree.
+        factors = {id(p): p for m in model.modules() if isinstance(m, LowRankModule)
+                   for p in m.parameters() if not fsdp.is_dtensor(p)}
+        broadcast_in_place(factors.values())
         if self.kernel != "auto":
             self._fix_kernels(model)
         elif self.example_input is not None:

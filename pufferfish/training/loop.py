@@ -450,7 +450,6 @@ def _epoch_row(cfg: TrainConfig, env: DistEnv, run: Run, method: Method,
         "comm_bytes_per_step": per_step,
         "comm_bytes_per_sample": per_step / _samples_per_step(cfg),
         "compress_time": stats.get("compress_time", 0.0),
-        "comm_time": stats.get("comm_time", 0.0),
         # FSDP2: all-gather + reduce-scatter bytes and sharded memory (docs/benchmarks.md)
         **(fsdp.step_figures(run.model, run.optimizer,
                              env.world_size if run.mesh is None else run.mesh.size(1),

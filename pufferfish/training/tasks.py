@@ -101,8 +101,15 @@ def build_task(cfg: TrainConfig, env: DistEnv) -> Task:
     if cfg.download and not cfg.is_lm:
         # The images are then read where they were fetched (./data without --data-dir), not
         # from the dataset's system default, which a machine without the package lacks.
-        got = str(datasets.download(cfg.data, cfg.data_dir or "data")) if env.is_main else None
-        cfg = dataclasses.replace(cfg, data_dir=dist_env.broadcast_object(got, env))
+        # Rank 0 fetches first; then the first process of every other machine checks its copy
+        # (a shared disk's verifies, a machine's own disk is fetched to), all before any reads.
+        where = cfg.data_dir or "data"
+        got = str(datasets.download(cfg.data, where)) if env.is_main else None
+        got = dist_env.broadcast_object(got, env)
+        if env.local_rank == 0 and not env.is_main:
+            datasets.download(cfg.data, where)
+        dist_env.broadcast_object(None, env)  # a barrier: every machine's copy is there
+        cfg = dataclasses.replace(cfg, data_dir=got)
     kind = models.get_spec(cfg.model).task
     if kind == "lm-packed":
         from .packed_lm import PackedLMTask

@@ -184,8 +184,8 @@ class PowerSGDHookState(CommHookState):
         ps = self.powersgd
         index = bucket.index()
         layout = self._layout(bucket)
-        if self._bucket_layouts.get(index) != layout:
-            buf = bucket.buffer()
+        buf = bucket.buffer()
+        if self._bucket_layouts.get(index) != layout or self._elsewhere(index, buf):
             if ps.use_error_feedback:
                 self._errors.get(index, layout, buf)
             if ps.warm_start:
@@ -203,6 +203,14 @@ class PowerSGDHookState(CommHookState):
         if bucket.is_last():
             self._errors.end_step()
             self._qs.end_step()
+
+    def _elsewhere(self, index: int, buf: torch.Tensor) -> bool:
+        """Whether the bucket's memory is on another device or of another dtype than its
+        gradients (a checkpoint's, loaded on the CPU): then it is assembled again, moved."""
+        ps = self.powersgd
+        held = (d.get(index) for d in (ps.error_dict, ps.p_memory_dict, ps.q_memory_dict))
+        return any(t is not None and (t.device != buf.device or t.dtype != buf.dtype)
+                   for t in held)
 
     def forget_bucket(self, index: int) -> None:
         """Zero the bucket's error and let torch draw a fresh Q (identically on every rank)."""

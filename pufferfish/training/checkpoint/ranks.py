@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ...distributed import env as dist_env
 from ...distributed.env import DistEnv
 from .atomic import signals_deferred
@@ -26,7 +28,7 @@ def save_from_ranks(env: DistEnv, run_dir: Path, step: int, header: dict[str, An
     """Rank 0 writes ``header`` and every component's state; every rank learns whether it worked
     and gets the checkpoint's path.
 
-    Per-rank states are all-gathered so one file resumes every rank exactly. The outcome is
+    Per-rank states are gathered to rank 0 (on the CPU) so one file resumes every rank exactly. The outcome is
     broadcast instead of a bare barrier, so a failed write (disk full, permissions) stops every
     rank at once with rank 0's message, not rank 0 alone while the others wait out the timeout.
     ``sharded_state`` (FSDP2): the model and optimizer as DCP shards, every rank writing its own,
@@ -40,7 +42,7 @@ def save_from_ranks(env: DistEnv, run_dir: Path, step: int, header: dict[str, An
         shared.pop("optimizer", None), per_rank.pop("optimizer", None)
         if replicas is not None:
             sharded["replicas"] = replicas
-    ranks = dist_env.gather_object(_states(per_rank), env)
+    ranks = dist_env.gather_to_main(_on_cpu(_states(per_rank)), env)
     written = error = None
     if env.is_main:
         payload = {**header, **_states(shared), "ranks": ranks, **sharded}
@@ -54,6 +56,21 @@ def save_from_ranks(env: DistEnv, run_dir: Path, step: int, header: dict[str, An
     if error is not None:
         raise CheckpointError(error if env.is_main else f"rank 0 failed: {error}")
     return Path(written)  # every rank can name the last good checkpoint
+
+
+def _on_cpu(state: Any) -> Any:
+    """``state`` with every tensor copied to the CPU: a rank's GPU tensors (a comm hook's
+    memory, DiLoCo's inner optimizer) pickled as they are would be restored on their GPU in the
+    receiving process; a checkpoint is loaded with ``map_location="cpu"`` anyway."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {k: _on_cpu(v) for k, v in state.items()}
+    if isinstance(state, tuple) and hasattr(state, "_fields"):  # a named tuple
+        return type(state)(*(_on_cpu(v) for v in state))
+    if isinstance(state, list | tuple):
+        return type(state)(_on_cpu(v) for v in state)
+    return state
 
 
 def _states(components: dict[str, Any]) -> dict[str, Any]:
