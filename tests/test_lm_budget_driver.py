@@ -246,7 +246,7 @@ def test_llama_s_defaults_are_the_cached_study_s_choices() -> None:
     choice the defaults do not carry fails here until they do."""
     import lm_width
 
-    from pufferfish.models.llama import LLAMA_LR_MEASURED, LLAMA_METHOD_MEASURED
+    from pufferfish.models.llama import LLAMA_LR_AT_EDGE, LLAMA_LR_MEASURED, LLAMA_METHOD_MEASURED
 
     cache = ROOT / "benchmarks" / "results" / "lm-budget"
     assert LLAMA_METHOD_MEASURED[lm_budget.WIDTH] == "lowrank"
@@ -258,6 +258,14 @@ def test_llama_s_defaults_are_the_cached_study_s_choices() -> None:
         chosen = "lowrank" if found["default"] == "lowrank" else lm_width.PUFF
         assert LLAMA_METHOD_MEASURED[lm_width.WIDE] == found["default"], found["text"]
         assert LLAMA_LR_MEASURED[lm_width.WIDE] == found["lrs"][chosen], found["text"]
+    # --help says where the chosen LR is the lowest or highest of those tried (a bound)
+    tried = {lm_budget.WIDTH: sorted({float(d.name.split("-lr")[1].split("-s")[0])
+                                      for d in (cache / "tpp20").glob("lowrank-lr*-s0")})}
+    if found is not None:
+        tried[lm_width.WIDE] = sorted(lm_width.lrs(cache, lm_width.WIDE))
+    for width, lrs in tried.items():
+        edge = {lrs[0]: "lowest", lrs[-1]: "highest"}.get(LLAMA_LR_MEASURED[width])
+        assert LLAMA_LR_AT_EDGE.get(width) == edge, (width, lrs)
 
 
 @pytest.mark.parametrize("puff,default", [(11.5, "lowrank"), (10.5, "pufferfish")])

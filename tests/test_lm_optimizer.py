@@ -19,6 +19,7 @@ from pufferfish.configfile import load_config
 from pufferfish.models import build_at_width, get_spec
 from pufferfish.models import spec as spec_module
 from pufferfish.models.llama import (
+    LLAMA_LR_AT_EDGE,
     LLAMA_LR_MEASURED,
     LLAMA_METHOD_MEASURED,
     LLAMA_METHODS,
@@ -95,7 +96,10 @@ def test_llama_lr_default_is_the_measured_one_and_scales_as_one_over_width_elsew
     # --help names the widths the advice was measured at, with what was chosen there
     shown = " ".join(run_cli("train", "--help").stdout.split())
     for width, lr in LLAMA_LR_MEASURED.items():
-        assert f"width {width:g}: lr {lr:g}, {LLAMA_METHODS[LLAMA_METHOD_MEASURED[width]]}" in shown
+        edge = (f" (the {LLAMA_LR_AT_EDGE[width]} tried: the best may lie beyond)"
+                if width in LLAMA_LR_AT_EDGE else "")
+        assert (f"width {width:g}: lr {lr:g}{edge}, "
+                f"{LLAMA_METHODS[LLAMA_METHOD_MEASURED[width]]}") in shown
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LLAMA_DEFAULTS", "LLAMA_LR_MEASURED", "LLAMA_METHODS", "LLAMA_METHOD_MEASURED",
+__all__ = ["LLAMA_DEFAULTS", "LLAMA_LR_AT_EDGE", "LLAMA_LR_MEASURED", "LLAMA_METHODS", "LLAMA_METHOD_MEASURED",
            "MAX_SEQ_LEN", "Llama", "check_llama", "llama_advice", "llama_dims", "llama_lr",
            "llama_method"]
 
@@ -31,6 +31,9 @@ MAX_SEQ_LEN = 4096  # the longest RoPE table a model is built with (LLaMA-2's co
 # from; a test holds both to the study's cache.
 LLAMA_LR_MEASURED: dict[float, float] = {0.125: 1e-2, 0.25: 3e-3}
 LLAMA_METHOD_MEASURED: dict[float, str] = {0.125: "lowrank", 0.25: "lowrank"}
+# Widths whose chosen LR is at an edge of the LRs tried there ("lowest" or "highest"): a bound,
+# the best may lie beyond it (said in --help).
+LLAMA_LR_AT_EDGE: dict[float, str] = {0.25: "lowest"}
 LLAMA_METHODS = {"lowrank": "low rank from the start",
                  "pufferfish": "the switch after 10% of the steps"}
 
@@ -58,8 +61,10 @@ def llama_method(width: float) -> str:
 
 def llama_advice() -> str:
     """Where llama's defaults come from, one line for ``train --help``."""
-    measured = "; ".join(f"width {w:g}: lr {LLAMA_LR_MEASURED[w]:g}, "
-                         f"{LLAMA_METHODS[LLAMA_METHOD_MEASURED[w]]}"
+    measured = "; ".join(f"width {w:g}: lr {LLAMA_LR_MEASURED[w]:g}"
+                         + (f" (the {LLAMA_LR_AT_EDGE[w]} tried: the best may lie beyond)"
+                            if w in LLAMA_LR_AT_EDGE else "")
+                         + f", {LLAMA_METHODS[LLAMA_METHOD_MEASURED[w]]}"
                          for w in sorted(LLAMA_LR_MEASURED))
     return (f"llama: lr and method chosen on validation by the budget study ({measured}); "
             "between measured widths the LR is interpolated on a log scale, beyond them scaled "
