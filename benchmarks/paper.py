@@ -312,6 +312,7 @@ def headline(cache: Path, out: Path, params: dict[str, list[int]], source: str,
     claims, data = cl.build(cache, params, source)
     (out / "claims.json").write_text(json.dumps({"claims": claims}, indent=1) + "\n")
     (out / "readme-results.md").write_text("\n".join(cl.readme_table(claims)) + "\n")
+    (out / "readme-not-met.md").write_text(cl.readme_not_met(claims) + "\n")
     if plots:
         claim_plots.plot_tta(data["tta"], ["1gbit", "100mbit"], "ResNet-18 width 1.0, 2 workers: "
                              "seed 0 solid, seed 1 dashed", out / "tta-w1.png")
@@ -346,16 +347,19 @@ def claims_markdown(claims: list[dict]) -> list[str]:
     return lines
 
 
-def replace_results_table(readme: Path, table: str) -> None:
-    """The table under README's ``## Results`` replaced by ``table`` (written via a temp file)."""
+def replace_results_table(readme: Path, table: str, not_met: str) -> None:
+    """The table under README's ``## Results`` replaced by ``table``, and its sentence of the
+    claims not met by ``not_met`` (written via a temp file)."""
     head, sep, rest = readme.read_text().partition("\n## Results\n")
     if not sep:
         raise SystemExit(f"paper: {readme} has no '## Results' section")
+    if not cl.NOT_MET.search(rest):
+        raise SystemExit(f"paper: {readme} has no '<!-- not met: ... -->' sentence under Results")
     lines = rest.split("\n")
     start = next(i for i, line in enumerate(lines) if line.startswith("|"))
     end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
-    write_in_place(readme, head + sep + "\n".join([*lines[:start], table.rstrip("\n"),
-                                                     *lines[end:]]))
+    rest = "\n".join([*lines[:start], table.rstrip("\n"), *lines[end:]])
+    write_in_place(readme, head + sep + cl.NOT_MET.sub(lambda _: not_met, rest, count=1))
 
 
 def write_in_place(path: Path, text: str) -> None:
@@ -400,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("tta-w1.png", "composition-w025.png", "diloco-llama.png"):
             shutil.copyfile(out / name, Path(args.docs_img) / name)
     if args.readme:
-        replace_results_table(Path(args.readme), (out / "readme-results.md").read_text())
+        replace_results_table(Path(args.readme), (out / "readme-results.md").read_text(),
+                              (out / "readme-not-met.md").read_text().strip())
     if args.docs:
         write_in_place(Path(args.docs), cl.replace_docs_blocks(Path(args.docs).read_text(), claims))
     lines = ["# Pufferfish: the paper's claims beside ours", "",

@@ -52,6 +52,18 @@ def test_the_readme_table_is_the_generated_one(generated: Path) -> None:
         "regenerate it: benchmarks/paper.sh OUT --readme README.md")
 
 
+def test_the_readme_says_which_claims_are_not_met_as_generated(generated: Path) -> None:
+    """The sentence under the table names the claims not met and not run yet from claims.json;
+    each claim has a name there."""
+    sentence = (generated / "readme-not-met.md").read_text().strip()
+    assert sentence in (ROOT / "README.md").read_text(), (
+        "README.md's not-met sentence differs: regenerate it: benchmarks/paper.sh OUT --readme "
+        "README.md")
+    claims = json.loads((generated / "claims.json").read_text())["claims"]
+    for c in claims:
+        assert (cl.SHORT[c["id"]] in sentence) == (c["met"] is not True), c["id"]
+
+
 def test_every_claim_has_its_fields_seeds_and_limits(generated: Path) -> None:
     claims = json.loads((generated / "claims.json").read_text())["claims"]
     assert len({c["id"] for c in claims}) == len(claims) >= 9
