@@ -133,7 +133,7 @@ def test_the_claim_states_each_side_s_fastest_either_way(tmp_path: Path) -> None
     _study(out, {0: STEP, 1: STEP}, stopped="psgd-r8-s1")
     claim = images.ranks_claim(tmp_path)
     assert claim["met"] is None and claim["readme"]["ours"].startswith(
-        "not run yet: 17 of its 20 runs cached")  # the composition waits for PowerSGD's grid
+        "in progress: 17 of its 20 runs cached")  # the composition waits for PowerSGD's grid
     assert image_ranks.pending(out)[0] == "psgd-r8-s1"
     (image_ranks.run_dir(out, "psgd-r8", 1) / "config.toml").write_text("epochs = 4\n")
     claim = images.ranks_claim(tmp_path)
@@ -151,7 +151,7 @@ def test_the_claim_states_each_side_s_fastest_either_way(tmp_path: Path) -> None
         (path / "results.json").unlink()
         path.rmdir()
     assert images.ranks_claim(tmp_path)["readme"]["ours"].startswith(
-        "not run yet: all 20 runs cached; image_ranks: no bench for seed 1")
+        "in progress: all 20 runs cached; image_ranks: no bench for seed 1")
     _bench(out, 1, slow)
     claim = images.ranks_claim(tmp_path)
     assert claim["met"] is False

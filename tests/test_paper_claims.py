@@ -53,7 +53,7 @@ def test_the_readme_table_is_the_generated_one(generated: Path) -> None:
 
 
 def test_the_readme_says_which_claims_are_not_met_as_generated(generated: Path) -> None:
-    """The sentence under the table names the claims not met and not run yet from claims.json;
+    """The sentence under the table names the claims not met and pending from claims.json;
     each claim has a name there."""
     sentence = (generated / "readme-not-met.md").read_text().strip()
     assert sentence in (ROOT / "README.md").read_text(), (

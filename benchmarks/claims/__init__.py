@@ -144,7 +144,7 @@ def record(cid: str, title: str, paper: str, unit: str, target: str, met: bool |
 
 
 def _met_word(met: bool | None) -> str:
-    return {True: "**met**", False: "**not met**", None: "not run yet"}[met]
+    return {True: "**met**", False: "**not met**", None: "pending"}[met]
 
 
 # What README's sentence under the table calls each claim (by id).
@@ -163,10 +163,10 @@ def _listed(names: list[str]) -> str:
 
 
 def readme_not_met(claims: list[dict]) -> str:
-    """README's sentence under the table: the claims not met and those not run yet, by name."""
+    """README's sentence under the table: the claims not met and those pending, by name."""
     said = []
     for met, what in ((False, "Not met (2 CPU processes, emulated links): {}, each with its "
-                               "reason above"), (None, "not run yet: {}")):
+                               "reason above"), (None, "pending (their runs not all cached): {}")):
         names = [SHORT[c["id"]] for c in claims if c["met"] is met]
         if names:
             said.append(what.format(_listed(names)))

@@ -195,7 +195,7 @@ def ranks_claim(cache: Path) -> dict:
               "benchmarks/image_ranks.py run OUT`, then `cache OUT DEST`)" if todo else
               f"all {ir.TOTAL_RUNS} runs cached; {found}")
     methods: dict[str, Any] = {}
-    met, ours = None, f"not run yet: {status}"
+    met, ours = None, f"in progress: {status}"
     if not isinstance(found, str):
         judged = {(m, s): ir.judge(found, m, s) for m in ir.MARGINS for s in ir.SEEDS}
         met = all(j["answer"] == "Pufferfish first" for j in judged.values())
