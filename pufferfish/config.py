@@ -42,7 +42,7 @@ from .options.checks import as_int as _int
 
 __all__ = ["HOOK_OPTIONS", "ConfigError", "TrainConfig", "choices"]
 
-WARMUP_ALLOWED = "an integer >= 0, a percentage of the epochs such as '20%', or 'auto'"
+WARMUP_ALLOWED = "an integer >= 0, a percentage of the epochs such as '10%', or 'auto'"
 # The bases in reverse: a dataclass takes its bases' fields from the last base to the first, so
 # the fields (--help, config.toml) come in the order of options.GROUPS.
 @dataclass

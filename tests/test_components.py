@@ -135,7 +135,7 @@ def test_train_help_shows_every_default_as_it_would_be_typed(capsys: pytest.Capt
     assert "--keep LIST extra globs of layers kept full-rank, or auto;" in text
     assert "--epochs INT passes over the training data (default: 10)" in text
     assert "--warmup-epochs STR full-rank epochs before the switch: N, P% of the epochs, or " \
-           "auto (default: '20%')" in text
+           "auto (default: '10%')" in text
 
 
 @pytest.mark.parametrize("switch_momentum", ["reset", "project"])

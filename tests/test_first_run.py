@@ -20,7 +20,7 @@ from pufferfish.switch import SwitchSchedule
 def test_warmup_as_a_share_of_the_run(epochs: int, pct: str, switch: int) -> None:
     cfg = load_config(None, {"epochs": epochs, "warmup_epochs": pct})
     assert SwitchSchedule.from_config(cfg).switch_epoch == switch
-    assert SwitchSchedule.from_config(TrainConfig()).switch_epoch == 2  # the old default of a 10-epoch run
+    assert SwitchSchedule.from_config(TrainConfig()).switch_epoch == 1  # the default: 10% of 10 epochs
 
 
 @pytest.mark.parametrize("bad", ["100%", "-5%", "x%", "two"])
@@ -48,11 +48,11 @@ def test_fresh_default_directories(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 @needs_fashion
 def test_a_quick_first_try_and_the_same_under_torchrun(tmp_path: Path) -> None:
-    # --epochs 1 with every method default (warm-up 20% -> 0), then the same under torchrun, in
+    # --epochs 1 with every method default (warm-up 10% -> 0), then the same under torchrun, in
     # the same directory: each gets its own run directory.
     one = run_cli("train", *TINY, "--epochs", "1", cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-2000:]
-    assert "warm-up: 20% of 1 epoch is no whole epoch: full rank for the first 2 of its 8 " \
+    assert "warm-up: 10% of 1 epoch is no whole epoch: full rank for the first 1 of its 8 " \
            "optimizer steps" in one.stdout
     two = run_cli("train", *TINY, "--epochs", "2", cwd=tmp_path, torchrun=2)
     assert two.returncode == 0, two.stderr[-2000:]

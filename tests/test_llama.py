@@ -311,7 +311,7 @@ def test_the_llama_preset_sets_the_warm_up_only_where_the_user_did_not() -> None
     when = pf.switch.SwitchSchedule.from_config
     assert when(load_config(overrides={"model": "llama"})).switch_epoch == 0
     assert when(load_config(overrides={"model": "llama", "warmup_epochs": "1"})).switch_epoch == 1
-    assert load_config(overrides={"model": "resnet18"}).warmup_epochs == "20%"
+    assert load_config(overrides={"model": "resnet18"}).warmup_epochs == "10%"
 
 
 def test_resume_after_the_switch_replays_the_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:

@@ -223,7 +223,7 @@ def test_a_share_warmup_of_one_epoch_switches_in_steps() -> None:
         return SwitchSchedule.from_config(load_config(None, flags))
 
     one = when(epochs=1)
-    assert one.share_in_steps == 0.2 and one.switch_step(50) == 10
+    assert one.share_in_steps == 0.1 and one.switch_step(50) == 5
     assert PufferfishMethod(load_config(None, {"epochs": 1})).schedule.in_steps
     assert not when(epochs=1, warmup_epochs="0%").in_steps  # the switch before step 0
     assert when(epochs=1, warmup_epochs="0%").switch_step(50) == 0
@@ -260,13 +260,13 @@ def test_the_warmup_banner(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
             "--threads", "1", "--no-progress", "--out", str(run)]
     assert main([*args, "--epochs", "1"]) == 0
     out = capsys.readouterr().out
-    assert "warm-up: 20% of 1 epoch is no whole epoch: full rank for the first 2 of its 10 " \
+    assert "warm-up: 10% of 1 epoch is no whole epoch: full rank for the first 1 of its 10 " \
            "optimizer steps, then the switch (mid-epoch)" in out
-    assert "switching to the low-rank model at step 2 (epoch 0, step 2)" in out  # of 10 steps
+    assert "switching to the low-rank model at step 1 (epoch 0, step 1)" in out  # of 10 steps
     assert read_metrics(run)[0]["lowrank"] is True
     assert main([*args, "--epochs", "5", "--overwrite"]) == 0
     out = capsys.readouterr().out
-    assert "warm-up: 20% of 5 epochs = 1 full-rank epoch before the switch" in out
+    assert "warm-up: 10% of 5 epochs = 1 full-rank epoch before the switch" in out
     assert main(["train", "--resume", str(run), "--epochs", "6", "--threads", "1"]) == 0
     assert "warm-up:" not in capsys.readouterr().out  # it switched long ago
 

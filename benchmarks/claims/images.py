@@ -120,7 +120,8 @@ def tta_claim(cache: Path) -> tuple[dict, dict]:
             ahead = "ahead of" if row["speedup_vs_ddp"] > puff else "behind"
             cells.append(f"{row['speedup_vs_ddp']:.2f}x on seed {s}, {ahead} Pufferfish (round "
                          f"spreads {'apart' if _apart(methods, 'powersgd', 'pufferfish', str(s)) else 'overlap'})")
-    ours = (f"sooner to DDP −0.5, 2 workers over an emulated 100 Mbit/s link: Pufferfish "
+    ours = (f"sooner to DDP −0.5, 2 workers over an emulated 100 Mbit/s link (one-GPU runs' "
+            "accuracy per epoch, 2 CPU processes' step times): Pufferfish "
             f"{per_seed(methods['pufferfish'], '{:.2f}x')}; PowerSGD (rank {rank}, untuned): "
             + "; ".join(cells))
     return record(

@@ -116,8 +116,9 @@ def diloco_claim(cache: Path) -> tuple[dict, dict]:
         "python benchmarks/diloco_tta.py DIR --target LN(1.05 x DDP's final ppl) --interpolate "
         "--compute-like diloco=ddp,powersgd=ddp,pufferfish+diloco=pufferfish (each folder)",
         sources,
-        f"One epoch ({steps} steps) and an α-β model of the link (compute per step of the idle DDP / "
-        "Pufferfish run, plus bytes on the wire), not a run over it; PowerSGD's encoding is not "
+        f"One epoch ({steps} steps) and an α-β model of the link (compute per step of the seed's DDP "
+        "/ Pufferfish run, plus bytes on the wire; seed 0's ran on cores shared with a test run, so "
+        "its seconds are longer than seed 1's), not a run over it; PowerSGD's encoding is not "
         "counted. Far from DiLoCo's regime (thousands of steps): its runs end far above DDP, so "
         "this target says nothing about DiLoCo's final quality.", "fixed in advance",
         ("DiLoCo (llama ¼): time to DDP's final perplexity + 5%", "–", ours,

@@ -111,7 +111,8 @@ class SwitchOptions(OptionGroup):
 
     SECTION: ClassVar[str] = "switch"
     CHOICES: ClassVar = {"switch_momentum": SWITCH_STATE}
-    warmup_epochs: str = "20%"  # full-rank epochs before the switch: N, P% of the epochs, or auto
+    # 10%: the share every image claim ran (2 of 20 epochs), docs/benchmarks.md
+    warmup_epochs: str = "10%"  # full-rank epochs before the switch: N, P% of the epochs, or auto
     min_warmup_epochs: int = 1  # warmup_epochs auto: never switch before this epoch
     max_warmup_epochs: int = 0  # warmup_epochs auto: switch here at the latest (0: a tenth of the run, >= 150 steps)
     switch_threshold: float = 0.05  # warmup_epochs auto: "settled" = stable ranks move less per epoch
@@ -316,7 +317,7 @@ class RunOptions(OptionGroup):
     checkpoint_every_steps: int = 0  # also checkpoint every N steps (0: only at epoch ends)
     keep_checkpoints: int = 3  # newest checkpoints kept; older ones are removed
     threads: int = 0  # torch intra-op threads per process (0: torch's default)
-    channels_last: bool = True  # conv weights in NHWC memory order: faster conv kernels (CPU, GPU)
+    channels_last: bool = True  # conv weights in NHWC memory order: faster conv kernels (measured on the CPU, oneDNN: docs/benchmarks.md)
     progress: bool = True  # tqdm progress bar on rank 0
     verbose: bool = False  # print the whole configuration at the start (always in RUN_DIR/config.toml)
     logger: str = "none"  # also log to: none (metrics.jsonl/.csv only) or tensorboard (RUN_DIR/tb, rank 0)

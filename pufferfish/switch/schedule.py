@@ -96,7 +96,7 @@ class SwitchSchedule:
     @property
     def switch_epoch(self) -> int | str:
         """The epoch the switch is before, or ``"auto"``; ``P%`` rounded up, before the last
-        epoch (20% of 10 epochs: 2; of 2: 1; of 1: 0, unless it switches in steps)."""
+        epoch (10% of 20 epochs: 2; of 10 or 2: 1; of 1: 0, unless it switches in steps)."""
         if isinstance(self.warmup, str) and self.warmup.endswith("%"):
             if self.epochs is None:
                 raise ValueError(f"warmup {self.warmup!r} needs the run's epochs")
