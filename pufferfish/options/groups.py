@@ -262,7 +262,7 @@ class DistributedOptions(OptionGroup):
     comm: str = "allreduce"  # DDP comm hook (gradient compression baselines; needs torchrun)
     # ... then one field per comm-hook option (see HOOK_OPTIONS)
     sync: str = "ddp"  # ddp (gradients every step) or diloco (weights every inner_steps steps)
-    inner_steps: int = 50  # diloco: optimizer steps each worker takes alone between outer steps
+    inner_steps: int = 50  # diloco: optimizer steps each worker takes alone between outer steps (not tuned: the studies ran 5 to 100, docs/benchmarks.md)
     outer_lr: float = 0.7  # diloco: outer Nesterov SGD learning rate on the pseudo-gradients
     outer_momentum: float = 0.9  # diloco: outer Nesterov momentum, 0 <= m < 1
     outer_switch_momentum: str = "reset"  # diloco + pufferfish: outer momentum at the switch
