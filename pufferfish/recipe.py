@@ -74,7 +74,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .distributed import fsdp
 from .distributed.buckets import AUTO, TORCH, bucket_overrides, parse_bucket_mb
-from .distributed.env import ddp_options, rewrap_ddp
+from .distributed.env import ddp_of, ddp_options, rebuild_ddp_in_place, rewrap_ddp, unwrapped
 from .lowrank.presets import DEFAULT_PRESET
 from .switch import (
     FactorizationPlan,
@@ -184,7 +184,7 @@ class Recipe:
         make it before training, as :meth:`on_epoch_start` does at epoch 0. Cached per ``t``.
         """
         self._check_wrapper(model)
-        return self.switch_owner.observe(t, _unwrap(model))
+        return self.switch_owner.observe(t, unwrapped(model))
 
     def should_switch(self, epoch: int, model: nn.Module) -> bool:
         """Whether to factorize at the start of ``epoch``; the same answer on every rank.
@@ -193,7 +193,7 @@ class Recipe:
         (it may fire between boundaries when observed every N steps).
         """
         self._check_wrapper(model)
-        return self.switch_owner.due(epoch, _unwrap(model))
+        return self.switch_owner.due(epoch, unwrapped(model))
 
     def on_epoch_start(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                        scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
@@ -212,14 +212,13 @@ class Recipe:
 
     def _check_wrapper(self, model: nn.Module) -> None:
         """At the first call: a DDP wrapper that could not be rebuilt at the switch fails now."""
-        if not self._wrapper_checked and not self.switched \
-                and isinstance(model, DistributedDataParallel):
-            ddp_options(model)
+        if not self._wrapper_checked and not self.switched and ddp_of(model) is not None:
+            ddp_options(ddp_of(model))
         self._wrapper_checked = True
 
     def factorize_kwargs(self, model: nn.Module) -> dict[str, Any]:
         """The arguments of :func:`pufferfish.factorize` this recipe uses for ``model``."""
-        return self.switch_owner.plan.factorize_kwargs(_unwrap(model), self.tracker,
+        return self.switch_owner.plan.factorize_kwargs(unwrapped(model), self.tracker,
                                                        self.switch_owner.policy.unsettled())
 
     def describe_decisions(self) -> str:
@@ -241,10 +240,11 @@ class Recipe:
 
         Returns ``(model, optimizer, scheduler)``: ``optimizer`` and ``scheduler`` are the same
         objects, edited in place (what changed is in :attr:`parameter_swap`); ``model`` is a new
-        wrapper when it was a DDP wrapper, else the same module.
+        wrapper when it was a DDP wrapper, else the same module (under ``torch.compile``'s
+        wrapper a DDP is rebuilt in place: the compiled wrapper holds the same object).
         """
         self._check_wrapper(model)
-        inner = _unwrap(model)
+        inner = unwrapped(model)
         sharded = fsdp.is_sharded(inner)
         if sharded and self.schedule.carry == "project":
             raise ValueError("switch_momentum 'project' is invalid on a fully_shard-ed model (it "
@@ -258,12 +258,15 @@ class Recipe:
                                        dict(inner.named_parameters(remove_duplicate=False)))
         if optimizer is not None:
             self.parameter_swap = self.carry_into(optimizer, inner, before)
-        if isinstance(model, DistributedDataParallel):
+        ddp = ddp_of(model)
+        if ddp is model:  # a new wrapper, returned
             buckets = ({} if self.bucket_mb is None else bucket_overrides(
                 None if self.bucket_mb == TORCH else float(self.bucket_mb)))
-            model = rewrap_ddp(model, register_hooks=self.on_wrap is None, **buckets)
-            if self.on_wrap is not None:
-                self.on_wrap(model)
+            model = ddp = rewrap_ddp(ddp, register_hooks=self.on_wrap is None, **buckets)
+        elif ddp is not None:  # under torch.compile's wrapper, which holds it: the same object
+            rebuild_ddp_in_place(ddp, register_hooks=self.on_wrap is None)
+        if ddp is not None and self.on_wrap is not None:
+            self.on_wrap(ddp)
         return model, optimizer, scheduler
 
 
@@ -288,7 +291,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer | None, model: nn.Module) 
     if optimizer is None:
         return
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    if held and not any(id(p) in held for p in _unwrap(model).parameters()):
+    if held and not any(id(p) in held for p in unwrapped(model).parameters()):
         raise ValueError(f"optimizer {type(optimizer).__name__} holds none of the model's "
                          f"parameters ({len(held)} others): allowed an optimizer built over "
                          "this model's parameters (model.parameters())")
@@ -446,8 +449,6 @@ def _within(name: str, module: str) -> bool:
     return module == "" or name.startswith(module + ".")
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def _check_arguments(args: Mapping[str, Any]) -> None:

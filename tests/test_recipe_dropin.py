@@ -389,6 +389,32 @@ def _switch_unwrapped(rank: int) -> dict[str, Any]:
             "lowrank": sum(isinstance(m, LowRankModule) for m in mine.modules())}
 
 
+def _compiled_ddp(rank: int) -> dict[str, Any]:
+    """``torch.compile(DDP(model))`` (torch's order; Accelerate's with a dynamo backend): the
+    switch factorizes the module under both wrappers and rebuilds the DDP in place, so the new
+    factors' gradients are averaged and the replicas stay equal."""
+    torch.manual_seed(0)
+    model = _mlp()
+    compiled = torch.compile(DDP(model), backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recipe = pf.Recipe(warmup_epochs=1, rank_ratio=0.25)
+    same = None
+    for epoch in range(2):
+        out, opt, _ = recipe.on_epoch_start(epoch, compiled, opt)
+        same = out is compiled if epoch == 1 else same
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * epoch + step + 7 * rank)  # data differs
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            opt.zero_grad()
+            nn.functional.cross_entropy(compiled(x), y).backward()
+            opt.step()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    both = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(both, flat)
+    return {"same_wrapper": same, "replica_gap": (both[0] - both[1]).abs().max().item(),
+            "lowrank": sum(isinstance(m, LowRankModule) for m in model.modules())}
+
+
 def _ddp_worker(rank: int, port: int, queue: Any) -> None:
     def work() -> dict[str, Any]:
         return {
@@ -401,6 +427,7 @@ def _ddp_worker(rank: int, port: int, queue: Any) -> None:
                                 on_wrap=_on_wrap_topk),
             "mixed_precision": _mixed_precision_rewrap(),
             "unwrapped": _switch_unwrapped(rank),
+            "compiled": _compiled_ddp(rank),
         }
     report_to_parent(rank, port, queue, work)
 
@@ -452,6 +479,13 @@ def test_switch_gives_every_rank_rank_0s_factors(ddp_results: dict[int, Any]) ->
     for rank in (0, 1):
         r = ddp_results[rank]["unwrapped"]
         assert r["lowrank"] >= 1 and r["replica_gap"] == 0.0
+
+
+def test_a_compiled_ddp_is_rebuilt_in_place_and_its_replicas_stay_equal(
+        ddp_results: dict[int, Any]) -> None:
+    for rank in (0, 1):
+        r = ddp_results[rank]["compiled"]
+        assert r["same_wrapper"] and r["lowrank"] >= 1 and r["replica_gap"] == 0.0
 
 
 def test_swap_follows_a_tied_weight_by_name() -> None:

@@ -27,9 +27,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-__all__ = ["DistEnv", "all_reduce_sum", "broadcast_in_place", "broadcast_object", "cleanup", "collective_device", "ddp_options", "exit_process",
+__all__ = ["DistEnv", "all_reduce_sum", "broadcast_in_place", "broadcast_object", "cleanup", "collective_device", "ddp_of", "ddp_options", "exit_process",
            "gather_object", "gather_to_main", "idle_cpus", "local_ranks", "pick_device",
-           "rebuild_ddp_in_place", "rewrap_ddp", "say", "setup", "wrap_ddp"]
+           "rebuild_ddp_in_place", "rewrap_ddp", "say", "setup", "unwrapped", "wrap_ddp"]
 
 
 @dataclass(frozen=True)
@@ -268,6 +268,25 @@ def ddp_options(ddp: DistributedDataParallel) -> dict[str, Any]:
         options["bucket_cap_mb"] = ddp.bucket_bytes_cap / mb
     accepted = inspect.signature(DistributedDataParallel.__init__).parameters
     return {k: v for k, v in options.items() if k in accepted}
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The module under any DDP and ``torch.compile`` wrappers (``compile(DDP(m))``, the order
+    torch recommends and Accelerate builds, or ``DDP(compile(m))``): the one to factorize."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
+            model = model._orig_mod
+        else:
+            return model
+
+
+def ddp_of(model: nn.Module) -> DistributedDataParallel | None:
+    """The DDP wrapper that ``model`` is, or that ``torch.compile``'s wrapper ``model`` holds
+    (whose reducer must be rebuilt after a switch); None without one."""
+    inner = getattr(model, "_orig_mod", model)
+    return inner if isinstance(inner, DistributedDataParallel) else None
 
 
 def rewrap_ddp(ddp: DistributedDataParallel, register_hooks: bool = True,

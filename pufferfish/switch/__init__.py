@@ -28,7 +28,6 @@ from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from ..auto import (
     StableRankTracker,
@@ -39,7 +38,7 @@ from ..auto import (
     time_kernels,
 )
 from ..distributed import fsdp
-from ..distributed.env import broadcast_in_place, broadcast_object
+from ..distributed.env import broadcast_in_place, broadcast_object, unwrapped
 from ..lowrank import FactorizationReport, LowRankModule, factorize
 from ..lowrank.base import low_rank_class_for_type
 from ..lowrank.factorize import factorizable_modules
@@ -388,7 +387,7 @@ class Switch:
 
     def observe(self, t: float, model: nn.Module) -> dict[str, float]:
         self.check(model)
-        if self.policy.detector is not None and fsdp.is_sharded(_unwrap(model)):
+        if self.policy.detector is not None and fsdp.is_sharded(unwrapped(model)):
             raise ValueError("automatic choices (warmup_epochs/rank_ratio 'auto') are invalid on "
                              "a fully_shard-ed model (the stable ranks read every layer's dense "
                              "weights): allowed fixed values")
@@ -419,9 +418,7 @@ class Switch:
     def load_state_dict(self, state: dict[str, Any], model: nn.Module) -> None:
         """Restore the records (the architecture itself: :meth:`FactorizationPlan.rebuild`)."""
         self.plan.load_state_dict(state)
-        inner = _unwrap(model)
+        inner = unwrapped(model)
         self.policy.load_state_dict(state, inner, self.plan.static_keep(inner))
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
