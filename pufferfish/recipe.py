@@ -203,7 +203,7 @@ class Recipe:
         re-wrapped at the switch. The first call checks keep patterns and preset against
         ``model``; with automatic choices, epoch 0 records the stable ranks at initialization.
         """
-        _check_optimizer(optimizer, model)
+        check_optimizer(optimizer, model)
         if self.should_switch(epoch, model):
             return self.switch(epoch, model, optimizer, scheduler)
         if self.detector is not None and epoch == 0:
@@ -285,7 +285,7 @@ class Recipe:
         return swap
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> None:
+def check_optimizer(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> None:
     """An optimizer over none of ``model``'s parameters (another model's, a copy's) would be
     edited at the switch to no effect, and then nothing trains: refused in one line."""
     if optimizer is None:

@@ -415,6 +415,21 @@ def _compiled_ddp(rank: int) -> dict[str, Any]:
             "lowrank": sum(isinstance(m, LowRankModule) for m in model.modules())}
 
 
+def _fsdp1_refused() -> dict[str, Any]:
+    """A trainer's FSDP1 wrapper (flat, per-rank shards of different sizes): the integrations'
+    start check refuses it in one line instead of a switch that fails on some ranks only."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from pufferfish.integrations.core import check_wrapper
+
+    wrapped = FSDP(_mlp(), use_orig_params=True, device_id=torch.device("cpu"))
+    try:
+        check_wrapper(wrapped)
+    except ValueError as e:
+        return {"refused": str(e)}
+    return {"refused": None}
+
+
 def _ddp_worker(rank: int, port: int, queue: Any) -> None:
     def work() -> dict[str, Any]:
         return {
@@ -428,6 +443,7 @@ def _ddp_worker(rank: int, port: int, queue: Any) -> None:
             "mixed_precision": _mixed_precision_rewrap(),
             "unwrapped": _switch_unwrapped(rank),
             "compiled": _compiled_ddp(rank),
+            "fsdp1": _fsdp1_refused(),
         }
     report_to_parent(rank, port, queue, work)
 
@@ -486,6 +502,14 @@ def test_a_compiled_ddp_is_rebuilt_in_place_and_its_replicas_stay_equal(
     for rank in (0, 1):
         r = ddp_results[rank]["compiled"]
         assert r["same_wrapper"] and r["lowrank"] >= 1 and r["replica_gap"] == 0.0
+
+
+def test_fsdp1_is_refused_in_one_line_before_the_switch(ddp_results: dict[int, Any]) -> None:
+    for rank in (0, 1):
+        said = ddp_results[rank]["fsdp1"]["refused"]
+        assert said is not None and "\n" not in said
+        assert said.startswith("a model wrapped by FullyShardedDataParallel is invalid for the "
+                               "Pufferfish switch") and "allowed DDP, FSDP2's fully_shard" in said
 
 
 def test_swap_follows_a_tied_weight_by_name() -> None:

@@ -41,7 +41,7 @@ from ..distributed.env import ddp_options, rebuild_ddp_in_place
 from ..lowrank import LowRankModule, load_factorized
 from ..lowrank.factorize import factorizable_modules
 from ..lowrank.presets import resolve_preset
-from ..recipe import ParameterSwap, Recipe
+from ..recipe import ParameterSwap, Recipe, check_optimizer
 from ..switch.schedule import OBSERVATIONS_PER_EPOCH
 
 __all__ = ["TrainerSwitch", "optimizer_order", "rebuild_on_load", "restore_order"]
@@ -105,6 +105,13 @@ class TrainerSwitch:
                 self._reschedule(warmup=preset["warmup_epochs"])
         if self.recipe.detector is None or not resumed:
             self.recipe.observe(0, module)  # a check only, for fixed choices
+
+    @staticmethod
+    def check_optimizers(module: nn.Module, optimizers: Sequence[Any]) -> None:
+        """Each trainer optimizer holds the module's own parameters (not ZeRO's flat copies,
+        which the switch cannot edit: the factors would never train), in one line."""
+        for opt in optimizers:
+            check_optimizer(innermost(opt), module)
 
     def due_at_epoch(self, epoch: int, module: nn.Module) -> bool:
         """Whether to switch at the start of ``epoch`` (epoch-based warm-up only)."""
@@ -302,8 +309,21 @@ def innermost(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+# Wrappers whose parameters are flattened or sharded where a switch cannot replace them (FSDP1
+# with flat parameters, DeepSpeed's ZeRO): the switch would fail on some ranks and not others.
+UNSUPPORTED_WRAPPERS = ("FullyShardedDataParallel", "DeepSpeedEngine")
+
+
 def check_wrapper(ddp: nn.Module | None) -> None:
-    """Fail now, not at the switch, if a wrapper cannot be rebuilt in place."""
+    """Fail now, not at the switch, if a wrapper cannot be rebuilt in place, or if it is one
+    the switch cannot work under (:data:`UNSUPPORTED_WRAPPERS`), in one line."""
+    names = {c.__name__ for c in type(ddp).__mro__}
+    bad = next((n for n in UNSUPPORTED_WRAPPERS if n in names), None)
+    if bad is not None:
+        raise ValueError(f"a model wrapped by {type(ddp).__name__} is invalid for the Pufferfish "
+                         "switch (its parameters are flattened or sharded in place): allowed "
+                         "DDP, FSDP2's fully_shard (Lightning's ModelParallelStrategy), or one "
+                         "process")
     if isinstance(ddp, DistributedDataParallel):
         ddp_options(ddp)
 

@@ -98,6 +98,7 @@ class PufferfishCallback(TrainerCallback, ExportableState):
         saved = _saved_state(state, type(self).__name__) if resumed else None
         if saved is not None:
             self.switcher.restore(saved, model, [optimizer])
+        self.switcher.check_optimizers(model, [optimizer])
         self.switcher.start(model, state.epoch, resumed)
         wrapper = _find_wrapper(model)
         core.check_wrapper(wrapper)

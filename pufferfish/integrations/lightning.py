@@ -95,8 +95,9 @@ class PufferfishCallback(Callback):
         if self._pending is not None:
             self.switcher.restore(self._pending, pl_module, self._optimizers)
             self._pending = None
-        self.switcher.start(pl_module, trainer.current_epoch, resumed)
         core.check_wrapper(trainer.strategy.model)
+        self.switcher.check_optimizers(pl_module, self._optimizers)
+        self.switcher.start(pl_module, trainer.current_epoch, resumed)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: nn.Module) -> None:
         if self.switcher.due_at_epoch(trainer.current_epoch, pl_module):
