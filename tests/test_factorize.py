@@ -175,6 +175,27 @@ def test_bad_input_is_a_clear_error(kwargs: dict, match: str) -> None:
         pf.factorize(small_cnn(), **kwargs)
 
 
+def test_weights_on_the_meta_device_are_refused_in_one_line() -> None:
+    # init_empty_weights / an offloading device_map: no values to split (was: meta factors for a
+    # square layer, "cannot call item() on meta tensors" for another)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32))
+    model[2].to("meta")
+    with pytest.raises(ValueError, match=r"^parameter '2.weight' is on the meta device .*allowed"):
+        pf.factorize(model)
+
+
+def test_an_example_input_on_the_cpu_runs_where_the_model_is() -> None:
+    """A trainer moves the model after the user built ``example_input``: the example follows
+    the model's parameters; one already there stays the object it is (a move needs a GPU)."""
+    from pufferfish.lowrank.counting import _on_device_of
+
+    model = small_cnn()
+    x = torch.randn(2, 1, 28, 28)
+    moved = _on_device_of(model, {"a": x, "b": (x, [x])})
+    assert moved["a"] is x and moved["b"][0] is x  # on its device already: untouched
+    assert pf.factorize(model, example_input=x).macs_after > 0
+
+
 def test_count_macs_sees_lstm_and_attention() -> None:
     lstm = nn.LSTM(16, 32, num_layers=2)
     x = torch.randn(5, 3, 16)  # (seq, batch, features)

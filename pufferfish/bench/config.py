@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..config import ConfigError
 from ..configfile import load_config
 from ..data import DEFAULT_FASHION_DIR
@@ -314,6 +316,11 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
         if self.amp == "fp16" and "signum" in map(base_of, self.methods):
             raise ValueError("--amp fp16 is invalid with method 'signum' (its +-1 votes ignore "
                              "the GradScaler's loss scale): allowed --amp bf16 or none")
+        if self.amp == "bf16" and torch.cuda.is_available() \
+                and not torch.cuda.is_bf16_supported(including_emulation=False):
+            raise ValueError(f"--amp bf16 is invalid on {torch.cuda.get_device_name()} (no bf16 "
+                             "kernels before compute capability 8.0: emulated, its times would "
+                             "not be bf16's): allowed --amp fp16 or none")
         sharded = [m for m in self.methods if base_of(m) in FSDP_METHODS]
         if self.amp != "none" and sharded:
             raise ValueError(f"--amp {self.amp} is invalid with {sharded[0]} (the FSDP2 bench "

@@ -116,12 +116,14 @@ def fsdp_units(model: nn.Module) -> list[str]:
 
 
 def mixed_precision(device: torch.device, amp: bool) -> MixedPrecisionPolicy:
-    """bf16 parameters (fp32 gradient reduction) on CUDA, and on CPU with ``--amp``; else none."""
+    """With ``--amp``, parameters in its autocast's dtype (fp16 on CUDA, bf16 on the CPU: see
+    training/precision.py), gradients reduced in fp32; without it, none (full precision)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if device.type == "cuda" or amp:
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+    if not amp:
+        return MixedPrecisionPolicy()
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 def shard(model: nn.Module, mp_policy: MixedPrecisionPolicy | None = None,
@@ -252,15 +254,19 @@ def _managed_params(unit: nn.Module) -> Iterator[nn.Parameter]:
 
 
 def _options(model: nn.Module) -> dict[str, Any]:
-    """``fully_shard`` options that rebuild the units as they were built (mesh, precision)."""
+    """``fully_shard`` options that rebuild the units as they were built (mesh, precision, CPU
+    offloading)."""
     state = model._get_fsdp_state()  # type: ignore[operator]
     groups = [g for m in model.modules() if is_fsdp_module(m)
               for g in m._get_fsdp_state()._fsdp_param_groups]  # type: ignore[operator]
     units = _units(model)
     inner = units[0]._get_fsdp_state()._fsdp_param_groups if units else []  # type: ignore[operator]
     reshard = bool(inner and inner[0].post_forward_mesh_info is not None)
-    return {"mesh": groups[0].mesh_info.mesh if groups else None,
-            "mp_policy": state._mp_policy, "reshard_after_forward": reshard}
+    options = {"mesh": groups[0].mesh_info.mesh if groups else None,
+               "mp_policy": state._mp_policy, "reshard_after_forward": reshard}
+    if groups:  # CPU offloading (an OffloadPolicy) kept, or the rebuilt units would be on the GPU
+        options["offload_policy"] = groups[0].offload_policy
+    return options
 
 
 def _remove_fsdp(module: nn.Module) -> None:

@@ -79,8 +79,26 @@ def call_with_example(model: nn.Module, example_input: Any) -> Any:
     A ``tuple`` is the positional arguments, a mapping (a ``dict``, a Hugging Face
     ``BatchEncoding``) the keyword arguments, anything else the single argument.
     """
+    example_input = _on_device_of(model, example_input)
     if isinstance(example_input, tuple):
         return model(*example_input)
     if isinstance(example_input, Mapping):
         return model(**example_input)
     return model(example_input)
+
+
+def _on_device_of(model: nn.Module, example: Any) -> Any:
+    """``example``'s tensors on the device of ``model``'s parameters: an example built on the CPU
+    (a tokenizer's output) before a trainer moved the model to its GPU still runs at the switch."""
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+    if device is None:
+        return example
+    if isinstance(example, torch.Tensor):
+        return example.to(device) if example.device != device else example
+    if isinstance(example, Mapping):
+        return {k: _on_device_of(model, v) for k, v in example.items()}
+    if isinstance(example, tuple) and hasattr(example, "_fields"):  # a named tuple
+        return type(example)(*(_on_device_of(model, v) for v in example))
+    if isinstance(example, tuple | list):
+        return type(example)(_on_device_of(model, v) for v in example)
+    return example

@@ -268,7 +268,14 @@ def factorizable_modules(model: nn.Module, keep: str | Iterable[str] = ()
 
 
 def _check_root(model: nn.Module) -> None:
-    """A root module that is itself a supported layer has no parent to be swapped into."""
+    """A root module that is itself a supported layer has no parent to be swapped into; weights
+    on the meta device (``init_empty_weights``, an offloading ``device_map``) have no values to
+    split."""
+    meta = next((n for n, p in model.named_parameters() if p.device.type == "meta"), None)
+    if meta is not None:
+        raise ValueError(f"parameter {meta!r} is on the meta device (no values to factorize): "
+                         "allowed a model whose weights are loaded (not init_empty_weights, no "
+                         "offloading device_map)")
     cls = low_rank_class_for(model)
     if cls is not None:
         raise ValueError(f"the model itself is a {type(model).__name__}: factorize replaces "
