@@ -262,7 +262,7 @@ class DistributedOptions(OptionGroup):
     comm: str = "allreduce"  # DDP comm hook (gradient compression baselines; needs torchrun)
     # ... then one field per comm-hook option (see HOOK_OPTIONS)
     sync: str = "ddp"  # ddp (gradients every step) or diloco (weights every inner_steps steps)
-    inner_steps: int = 50  # diloco: optimizer steps each worker takes alone between outer steps (not tuned: the studies ran 5 to 100, docs/benchmarks.md)
+    inner_steps: int = 50  # diloco: optimizer steps each worker takes alone between outer steps (not tuned: the studies ran 5 to 100)
     outer_lr: float = 0.7  # diloco: outer Nesterov SGD learning rate on the pseudo-gradients
     outer_momentum: float = 0.9  # diloco: outer Nesterov momentum, 0 <= m < 1
     outer_switch_momentum: str = "reset"  # diloco + pufferfish: outer momentum at the switch
@@ -317,7 +317,7 @@ class RunOptions(OptionGroup):
     checkpoint_every_steps: int = 0  # also checkpoint every N steps (0: only at epoch ends)
     keep_checkpoints: int = 3  # newest checkpoints kept; older ones are removed
     threads: int = 0  # torch intra-op threads per process (0: torch's default)
-    channels_last: bool = True  # conv weights in NHWC memory order: faster conv kernels (measured on the CPU, oneDNN: docs/benchmarks.md)
+    channels_last: bool = True  # conv weights in NHWC memory order: faster conv kernels on the CPU (oneDNN; GPUs not measured)
     progress: bool = True  # tqdm progress bar on rank 0
     verbose: bool = False  # print the whole configuration at the start (always in RUN_DIR/config.toml)
     logger: str = "none"  # also log to: none (metrics.jsonl/.csv only) or tensorboard (RUN_DIR/tb, rank 0)
