@@ -154,3 +154,19 @@ def test_bytes_per_step_are_what_fsdp_hands_to_its_collectives(tmp_path: Path) -
     assert after["all_gather"] < before["all_gather"] / 3
     assert accumulated["all_gather"] == 2 * after["all_gather"]
     assert accumulated["reduce_scatter"] == after["reduce_scatter"]
+
+
+def test_amp_s_parameter_dtype_is_its_autocast_s_except_beside_batchnorm() -> None:
+    """--amp under FSDP2: parameters in the autocast's dtype (bf16 on the CPU, fp16 on CUDA), fp32
+    reduction; a model with BatchNorm keeps fp32 parameters (batch_norm refuses fp32 statistics
+    beside bf16 weights: `train --parallel fsdp --amp` on ResNet-18 failed so); none without it."""
+    from pufferfish.distributed.fsdp import mixed_precision
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    llama = build_at_width("llama", 0.125, vocab_size=64)
+    resnet = build_at_width("resnet18", 0.25)
+    assert mixed_precision(cpu, True, llama).param_dtype == torch.bfloat16
+    assert mixed_precision(gpu, True, llama).param_dtype == torch.float16
+    assert mixed_precision(cpu, True, llama).reduce_dtype == torch.float32
+    assert mixed_precision(gpu, True, resnet).param_dtype is None
+    assert mixed_precision(gpu, False, llama).param_dtype is None

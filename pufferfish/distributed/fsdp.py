@@ -115,12 +115,15 @@ def fsdp_units(model: nn.Module) -> list[str]:
     return units
 
 
-def mixed_precision(device: torch.device, amp: bool) -> MixedPrecisionPolicy:
+def mixed_precision(device: torch.device, amp: bool, model: nn.Module) -> MixedPrecisionPolicy:
     """With ``--amp``, parameters in its autocast's dtype (fp16 on CUDA, bf16 on the CPU: see
-    training/precision.py), gradients reduced in fp32; without it, none (full precision)."""
+    training/precision.py), gradients reduced in fp32; without it, none (full precision). A model
+    with BatchNorm keeps fp32 parameters (autocast alone): its running statistics stay fp32, and
+    batch_norm refuses them beside lower-precision weights."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.nn.modules.batchnorm import _BatchNorm
 
-    if not amp:
+    if not amp or any(isinstance(m, _BatchNorm) for m in model.modules()):
         return MixedPrecisionPolicy()
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

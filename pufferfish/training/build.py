@@ -63,7 +63,7 @@ def prepare(cfg: TrainConfig, model: nn.Module, env: DistEnv, method: Method,
     if cfg.channels_last and cfg.parallel == "ddp":  # FSDP2 shards contiguous parameters only
         to_channels_last(model)  # but strided 1x1 convs with few channels: oneDNN#6035
     if cfg.parallel == "fsdp":  # over mesh["shard"] under DiLoCo: one replica per group
-        wrapped = fsdp.shard(model, fsdp.mixed_precision(env.device, cfg.amp),
+        wrapped = fsdp.shard(model, fsdp.mixed_precision(env.device, cfg.amp, model),
                              mesh=None if mesh is None else mesh["shard"])
     # DiLoCo: no DDP wrapper, each worker (each FSDP2 group) steps alone until the outer step
     # (loop._after_step); bound after sharding, so it holds each process's local shards.
