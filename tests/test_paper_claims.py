@@ -243,6 +243,8 @@ QUOTES = [
     ("| DDP | 3 |", "demo", lambda c: _secs(c, "ddp")),
     ("| PowerSGD (rank 4) | 4 |", "demo", lambda c: _secs(c, "powersgd")),
     ("| Pufferfish | 4 |", "demo", lambda c: _secs(c, "pufferfish")),
+    ("The verdict: **PowerSGD reaches", "demo", lambda c: f"({_secs(c, 'powersgd')}, against"),
+    ("The verdict: **PowerSGD reaches", "demo", lambda c: f"Pufferfish's {_secs(c, 'pufferfish')}"),
     ("| ddp (lr 0.01) |", "lm-budget-links", lambda c: _secs(c, "ddp: s to target @ 100mbit")),
     ("| ddp (lr 0.01) |", "lm-budget-links", lambda c: _secs(c, "ddp: s to target @ 10mbit")),
     ("| pufferfish (lr 0.01) |", "lm-budget-links",

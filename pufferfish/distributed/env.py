@@ -406,14 +406,17 @@ def broadcast_object(obj: Any, env: DistEnv | None = None) -> Any:
     if not (env.distributed if env is not None else dist.is_available() and dist.is_initialized()):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, device=collective_device())
     return box[0]
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where a tensor made for a collective of ``group`` must live: this process's GPU under
-    NCCL (which takes no CPU tensor), else the CPU."""
+    NCCL (which takes no CPU tensor; torchrun's ``LOCAL_RANK``'s, as :func:`pick_device` gives
+    it, for a user's loop that never made it the current device), else the CPU."""
     if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
+        if "LOCAL_RANK" in os.environ:
+            return pick_device("cuda", *local_ranks(), torch.cuda.device_count())[0]
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
