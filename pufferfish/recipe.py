@@ -256,17 +256,19 @@ class Recipe:
             fsdp.shard(inner)
             before = _follow_resharded(optimizer, before, owners, _owners(inner),
                                        dict(inner.named_parameters(remove_duplicate=False)))
-        if optimizer is not None:
-            self.parameter_swap = self.carry_into(optimizer, inner, before)
+        # The DDP wrapper first: its construction broadcasts rank 0's factors, which the
+        # optimizer's carried state (projected momentum) is then computed from on every rank.
         ddp = ddp_of(model)
+        buckets = ({} if self.bucket_mb is None else bucket_overrides(
+            None if self.bucket_mb == TORCH else float(self.bucket_mb)))
         if ddp is model:  # a new wrapper, returned
-            buckets = ({} if self.bucket_mb is None else bucket_overrides(
-                None if self.bucket_mb == TORCH else float(self.bucket_mb)))
             model = ddp = rewrap_ddp(ddp, register_hooks=self.on_wrap is None, **buckets)
         elif ddp is not None:  # under torch.compile's wrapper, which holds it: the same object
-            rebuild_ddp_in_place(ddp, register_hooks=self.on_wrap is None)
+            rebuild_ddp_in_place(ddp, register_hooks=self.on_wrap is None, **buckets)
         if ddp is not None and self.on_wrap is not None:
             self.on_wrap(ddp)
+        if optimizer is not None:
+            self.parameter_swap = self.carry_into(optimizer, inner, before)
         return model, optimizer, scheduler
 
 

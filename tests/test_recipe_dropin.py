@@ -377,8 +377,9 @@ def _mixed_precision_rewrap() -> dict[str, Any]:
 
 
 def _switch_unwrapped(rank: int) -> dict[str, Any]:
-    """A model without DDP (whose wrap would broadcast), different on each rank: the switch
-    gives every rank rank 0's factors (an SVD need not give the same bits on every GPU)."""
+    """A model without a wrapper, different on each rank (an ensemble, a pipeline stage): the
+    switch communicates nothing, each rank keeps its own factors (a DDP wrapper's construction
+    broadcasts rank 0's; FSDP2's switch broadcasts them itself)."""
     torch.manual_seed(rank)
     model = _mlp()
     mine = pf.Recipe(warmup_epochs=1, rank_ratio=0.25).switch(1, model, None)[0]
@@ -491,10 +492,11 @@ def test_ddp_rewrap_mixed_precision_is_set_up_once(ddp_results: dict[int, Any]) 
     assert before == after  # DDP's own upcast comm hook and copy hooks, not twice
 
 
-def test_switch_gives_every_rank_rank_0s_factors(ddp_results: dict[int, Any]) -> None:
+def test_a_model_no_wrapper_replicates_keeps_each_rank_s_own_factors(
+        ddp_results: dict[int, Any]) -> None:
     for rank in (0, 1):
         r = ddp_results[rank]["unwrapped"]
-        assert r["lowrank"] >= 1 and r["replica_gap"] == 0.0
+        assert r["lowrank"] >= 1 and r["replica_gap"] > 0.1
 
 
 def test_a_compiled_ddp_is_rebuilt_in_place_and_its_replicas_stay_equal(

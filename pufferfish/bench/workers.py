@@ -157,10 +157,13 @@ def _worker_env(
     )
     if link is not None:
         wenv.update(link.env(rank))
-        # NCCL between GPUs of one machine takes shared memory or peer-to-peer copies, around
-        # the emulated link: switched off, its traffic goes over the veth as gloo's does.
-        wenv.setdefault("NCCL_P2P_DISABLE", "1")
-        wenv.setdefault("NCCL_SHM_DISABLE", "1")
+        # NCCL between GPUs of one machine takes shared memory, peer-to-peer copies, NVLink
+        # SHARP or InfiniBand (which namespaces do not isolate), around the emulated link:
+        # switched off, its traffic goes over the veth's sockets as gloo's does.
+        for key, value in (("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"),
+                           ("NCCL_NVLS_ENABLE", "0"), ("NCCL_IB_DISABLE", "1"),
+                           ("NCCL_NET", "Socket")):
+            wenv.setdefault(key, value)
     else:
         wenv.update({"GLOO_SOCKET_IFNAME": "lo", "TP_SOCKET_IFNAME": "lo"})
     return wenv

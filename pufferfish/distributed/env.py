@@ -82,7 +82,9 @@ def pick_device(requested: str, local_rank: int, local_world: int,
 def local_ranks() -> tuple[int, int]:
     """``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` of this process (torchrun's; ``(0, 1)`` alone)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    return local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+    # without LOCAL_WORLD_SIZE (a launcher other than torchrun): one machine's processes, so
+    # that every process reads the same count and picks the same backend
+    return local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
 def setup(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
@@ -324,8 +326,8 @@ def rewrap_ddp(ddp: DistributedDataParallel, register_hooks: bool = True,
     return new
 
 
-def rebuild_ddp_in_place(ddp: DistributedDataParallel, register_hooks: bool = True
-                         ) -> DistributedDataParallel:
+def rebuild_ddp_in_place(ddp: DistributedDataParallel, register_hooks: bool = True,
+                         **overrides: Any) -> DistributedDataParallel:
     """Rebuild ``ddp`` around its changed module on the SAME wrapper object; return it.
 
     For code that cannot swap in a new wrapper: a trainer's loop holds the wrapper in a local
@@ -336,10 +338,11 @@ def rebuild_ddp_in_place(ddp: DistributedDataParallel, register_hooks: bool = Tr
     parameter lists and the broadcast of rank 0's parameters are exactly those of a fresh
     wrapper of this torch version), then what belongs to the wrapper as an ``nn.Module`` and not
     to DDP (its train/eval mode, hooks registered on it, other attributes set on it) is put back,
-    and with ``register_hooks`` the comm hooks are registered again (see :func:`rewrap_ddp`).
-    Call it on every rank at the same point, outside forward/backward.
+    and with ``register_hooks`` the comm hooks are registered again (see :func:`rewrap_ddp`;
+    ``overrides`` as there). Call it on every rank at the same point, outside forward/backward.
     """
-    options = ddp_options(ddp)
+    accepted = inspect.signature(DistributedDataParallel.__init__).parameters
+    options = {**ddp_options(ddp), **{k: v for k, v in overrides.items() if k in accepted}}
     hooks = list(getattr(ddp, "_comm_hooks", []))
     module = ddp.module
     _detach_wrapper(ddp)

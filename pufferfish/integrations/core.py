@@ -108,10 +108,14 @@ class TrainerSwitch:
 
     @staticmethod
     def check_optimizers(module: nn.Module, optimizers: Sequence[Any]) -> None:
-        """Each trainer optimizer holds the module's own parameters (not ZeRO's flat copies,
-        which the switch cannot edit: the factors would never train), in one line."""
-        for opt in optimizers:
-            check_optimizer(innermost(opt), module)
+        """Some trainer optimizer holds the module's own parameters (not ZeRO's flat copies,
+        which the switch cannot edit: the factors would never train), else one line. Another
+        optimizer may hold tensors of its own (SAC's temperature)."""
+        inner = [innermost(opt) for opt in optimizers]
+        mine = {id(p) for p in module.parameters()}
+        if inner and not any(id(p) in mine for opt in inner for g in opt.param_groups
+                             for p in g["params"]):
+            check_optimizer(inner[0], module)  # its one-line refusal
 
     def due_at_epoch(self, epoch: int, module: nn.Module) -> bool:
         """Whether to switch at the start of ``epoch`` (epoch-based warm-up only)."""
@@ -148,13 +152,14 @@ class TrainerSwitch:
         else:  # each optimizer edited as the recipe edits one (its state: carry_state's)
             before = dict(module.named_parameters(remove_duplicate=False))
             self.recipe.switch(epoch, module, None)
+            if ddp is not None:  # first: its construction broadcasts rank 0's factors, which
+                # the carried optimizer state is then computed from on every rank
+                rebuild_ddp_in_place(ddp, register_hooks=self.recipe.on_wrap is None)
+                if self.recipe.on_wrap is not None:
+                    self.recipe.on_wrap(ddp)
             self.parameter_swaps = [self.recipe.carry_into(innermost(opt), module, before)
                                     for opt in optimizers]
         self.recipe.parameter_swap = self.parameter_swaps[0] if self.parameter_swaps else None
-        if ddp is not None:
-            rebuild_ddp_in_place(ddp, register_hooks=self.recipe.on_wrap is None)
-            if self.recipe.on_wrap is not None:
-                self.recipe.on_wrap(ddp)
         self.switched_at_step = step
         if self.verbose and _is_main():
             print(self.describe(), flush=True)

@@ -279,12 +279,13 @@ class FactorizationPlan:
             if sharded:  # FSDP2's own state-dict hooks stay with the module they served
                 warnings.filterwarnings("ignore", message="the state_dict hooks of")
             self.report = factorize(model, **kwargs)
-        # Every rank factorized its own copy; an SVD need not give the same bits on every
-        # rank (GPUs), so all take rank 0's factors: the replicas, the shards made of them and
-        # the optimizer state carried through them agree.
-        factors = {id(p): p for m in model.modules() if isinstance(m, LowRankModule)
-                   for p in m.parameters() if not fsdp.is_dtensor(p)}
-        broadcast_in_place(factors.values())
+        if sharded:  # each rank factorized its own gathered copy, and an SVD need not give
+            # the same bits on every rank (GPUs): all take rank 0's factors before they are
+            # sharded (a DDP wrapper's construction broadcasts them; nothing else is assumed
+            # replicated: pipeline stages and ensembles keep their own)
+            factors = {id(p): p for m in model.modules() if isinstance(m, LowRankModule)
+                       for p in m.parameters() if not fsdp.is_dtensor(p)}
+            broadcast_in_place(factors.values())
         if self.kernel != "auto":
             self._fix_kernels(model)
         elif self.example_input is not None:

@@ -106,9 +106,15 @@ def build_task(cfg: TrainConfig, env: DistEnv) -> Task:
         where = cfg.data_dir or "data"
         got = str(datasets.download(cfg.data, where)) if env.is_main else None
         got = dist_env.broadcast_object(got, env)
+        failed = None
         if env.local_rank == 0 and not env.is_main:
-            datasets.download(cfg.data, where)
-        dist_env.broadcast_object(None, env)  # a barrier: every machine's copy is there
+            try:
+                datasets.download(cfg.data, where)
+            except datasets.DataError as e:  # said on every rank, not a hang of the others
+                failed = f"rank {env.rank}: {e}"
+        failures = [f for f in dist_env.gather_object(failed, env) if f]  # also the barrier
+        if failures:
+            raise datasets.DataError(failures[0])
         cfg = dataclasses.replace(cfg, data_dir=got)
     kind = models.get_spec(cfg.model).task
     if kind == "lm-packed":
