@@ -197,6 +197,8 @@ def to_device(batch: Any, device: torch.device) -> Any:
         return batch.to(device)
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(to_device(v, device) for v in batch))
     if isinstance(batch, tuple | list):
         return type(batch)(to_device(v, device) for v in batch)
     return batch

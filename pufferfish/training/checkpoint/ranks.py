@@ -15,6 +15,7 @@ import torch
 
 from ...distributed import env as dist_env
 from ...distributed.env import DistEnv
+from ..step import to_device
 from .atomic import signals_deferred
 from .errors import CheckpointError
 from .save import save_checkpoint
@@ -42,7 +43,9 @@ def save_from_ranks(env: DistEnv, run_dir: Path, step: int, header: dict[str, An
         shared.pop("optimizer", None), per_rank.pop("optimizer", None)
         if replicas is not None:
             sharded["replicas"] = replicas
-    ranks = dist_env.gather_to_main(_on_cpu(_states(per_rank)), env)
+    # on the CPU: a rank's GPU tensors (a comm hook's memory, DiLoCo's inner optimizer) pickled
+    # as they are would be restored on their GPU in rank 0 (a checkpoint loads on the CPU anyway)
+    ranks = dist_env.gather_to_main(to_device(_states(per_rank), torch.device("cpu")), env)
     written = error = None
     if env.is_main:
         payload = {**header, **_states(shared), "ranks": ranks, **sharded}
@@ -56,21 +59,6 @@ def save_from_ranks(env: DistEnv, run_dir: Path, step: int, header: dict[str, An
     if error is not None:
         raise CheckpointError(error if env.is_main else f"rank 0 failed: {error}")
     return Path(written)  # every rank can name the last good checkpoint
-
-
-def _on_cpu(state: Any) -> Any:
-    """``state`` with every tensor copied to the CPU: a rank's GPU tensors (a comm hook's
-    memory, DiLoCo's inner optimizer) pickled as they are would be restored on their GPU in the
-    receiving process; a checkpoint is loaded with ``map_location="cpu"`` anyway."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().cpu()
-    if isinstance(state, dict):
-        return {k: _on_cpu(v) for k, v in state.items()}
-    if isinstance(state, tuple) and hasattr(state, "_fields"):  # a named tuple
-        return type(state)(*(_on_cpu(v) for v in state))
-    if isinstance(state, list | tuple):
-        return type(state)(_on_cpu(v) for v in state)
-    return state
 
 
 def _states(components: dict[str, Any]) -> dict[str, Any]:
