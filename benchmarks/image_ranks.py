@@ -11,7 +11,7 @@ choices made there), 20 epochs, 2 processes x 64 images, the paper's SGD recipe 
 - Pufferfish at rank ratios 1/8, 1/4, 1/2 (2-epoch full-rank warm-up, the paper's);
 - Pufferfish (1/4) + fp16, and Pufferfish (1/4) + PowerSGD at PowerSGD's best rank: the lowest
   rank whose mean validation accuracy is within 0.5 points of DDP's, else the most accurate
-  (queued once PowerSGD's grid has finished).
+  (queued as soon as that rank is settled: DDP's and the ranks up to it have both seeds).
 
     python benchmarks/image_ranks.py run OUT [--dry-run]
     sudo python benchmarks/image_ranks.py bench OUT --seed S   # once the runs have finished
@@ -89,13 +89,19 @@ def mean_val(out: Path, method: str) -> float | None:
 
 def best_psgd_rank(out: Path) -> int | None:
     """The lowest PowerSGD rank within 0.5 points of DDP's mean validation accuracy, else the most
-    accurate rank; None until DDP and every rank have all their seeds."""
+    accurate rank; None until that is settled: known as soon as DDP and the ranks up to the
+    chosen one have all their seeds (the rank grid's later seeds cannot change a lower pick)."""
     ddp = mean_val(out, "ddp")
-    vals = {r: mean_val(out, f"psgd-r{r}") for r in PSGD_RANKS}
-    if ddp is None or None in vals.values():
+    if ddp is None:
         return None
-    close = [r for r in PSGD_RANKS if vals[r] >= ddp - 0.005]  # type: ignore[operator]
-    return close[0] if close else max(vals, key=vals.__getitem__)  # type: ignore[arg-type]
+    vals: dict[int, float] = {}
+    for rank in PSGD_RANKS:
+        if (val := mean_val(out, f"psgd-r{rank}")) is None:
+            return None
+        if val >= ddp - 0.005:
+            return rank
+        vals[rank] = val
+    return max(vals, key=vals.__getitem__)
 
 
 def runs(out: Path) -> list[sweep.Run]:
@@ -399,7 +405,7 @@ def main() -> int:
             args.md.write_text(text)
         return 0
     sweep.run_all(runs(args.out), dry_run=args.dry_run)
-    if not args.dry_run:  # a finished grid queues the composition at PowerSGD's best rank
+    if not args.dry_run:  # a settled rank queues the composition at PowerSGD's best rank
         sweep.run_all(runs(args.out))
     return 0
 

@@ -133,7 +133,7 @@ def test_the_claim_states_each_side_s_fastest_either_way(tmp_path: Path) -> None
     _study(out, {0: STEP, 1: STEP}, stopped="psgd-r8-s1")
     claim = images.ranks_claim(tmp_path)
     assert claim["met"] is None and claim["readme"]["ours"].startswith(
-        "in progress: 17 of its 20 runs cached")  # the composition waits for PowerSGD's grid
+        "in progress: 19 of its 20 runs cached")  # rank 1, chosen, needs not rank 8's seed 1
     assert image_ranks.pending(out)[0] == "psgd-r8-s1"
     (image_ranks.run_dir(out, "psgd-r8", 1) / "config.toml").write_text("epochs = 4\n")
     claim = images.ranks_claim(tmp_path)
@@ -158,3 +158,23 @@ def test_the_claim_states_each_side_s_fastest_either_way(tmp_path: Path) -> None
     # to -0.5 on seed 1: 430 x 0.1 + 860 x 0.09 = 120.4 s against PowerSGD's 107.5 s
     assert "Pufferfish (rank ¼) 60 / 120 s, PowerSGD rank 1 108 / 108 s on seeds 0 / 1: " \
            "Pufferfish first / PowerSGD first on seeds 0 / 1" in claim["readme"]["ours"]
+
+
+def test_powersgd_best_rank_is_settled_once_the_ranks_below_it_are(tmp_path: Path) -> None:
+    for seed in image_ranks.SEEDS:
+        _run(tmp_path, "ddp", seed, [0.9], [0.940])
+    _run(tmp_path, "psgd-r1", 0, [0.9], [0.930])
+    assert image_ranks.best_psgd_rank(tmp_path) is None  # rank 1's seed 1 may still bring it in
+    _run(tmp_path, "psgd-r1", 1, [0.9], [0.932])  # mean 93.1: 0.9 points below DDP's 94.0
+    assert image_ranks.best_psgd_rank(tmp_path) is None  # rank 2 unknown
+    for seed in image_ranks.SEEDS:
+        _run(tmp_path, "psgd-r2", seed, [0.9], [0.936])  # within 0.5 points: chosen, 4 and 8 unrun
+    assert image_ranks.best_psgd_rank(tmp_path) == 2
+    assert "puff-psgd-s0" in [r.path.name for r in image_ranks.runs(tmp_path)]
+    for rank in (4, 8):  # had no rank come within 0.5 points: the most accurate
+        for seed in image_ranks.SEEDS:
+            _run(tmp_path, f"psgd-r{rank}", seed, [0.9], [0.934 if rank == 4 else 0.92])
+    for seed in image_ranks.SEEDS:
+        (image_ranks.run_dir(tmp_path, "psgd-r2", seed) / "metrics.jsonl").write_text(
+            json.dumps({"epoch": 1, "steps": STEPS, "test_acc": 0.9, "val_acc": 0.92}) + "\n")
+    assert image_ranks.best_psgd_rank(tmp_path) == 4
