@@ -4,16 +4,16 @@
 # (IMAGES=0 for all) and all 10,000 test images, two processes joined by an emulated 100 Mbit/s
 # link (network namespaces, a veth pair and `tc tbf`; needs root and iproute2). Four methods are
 # trained for real over the link: full-rank DDP for 3 epochs, and the methods whose steps ship
-# fewer bytes for one more epoch in about the same wall-clock budget: PowerSGD (rank 4, the
-# compressor Pufferfish is compared with), Pufferfish (the paper's recipe: 1 full-rank warm-up
-# epoch, then low rank) and Pufferfish + PowerSGD (the composition). Then the table, the plot of
-# test accuracy against wall-clock time, and the verdict: which method reached DDP's final
-# accuracy - 0.5 points first. Without link emulation it says why, trains over loopback (where the
-# extra epoch is not free) and projects the measured steps to slower links. About 14 minutes on 2
-# idle CPU cores with installation (docs/benchmarks.md). Settings: LINK (a rate, or loopback),
-# IMAGES (training images, 0: all), METHODS, EPOCHS (DDP's), MORE_EPOCHS (the others'), BUCKETS,
-# RECIPE (a train config for the other options), OUT, and EXTRA (more `pufferfish bench --train`
-# flags).
+# fewer bytes for one more epoch in about the same wall-clock budget: PowerSGD (the compressor
+# Pufferfish is compared with), Pufferfish (the paper's recipe: 1 full-rank warm-up epoch, then
+# low rank) and Pufferfish + PowerSGD (the composition), at the image sweep's picks (PICKS).
+# Then the table, the plot of test accuracy against wall-clock time, and the verdict: which
+# method reached DDP's final accuracy - 0.5 points first. Without link emulation it says why,
+# trains over loopback (where the extra epoch is not free) and projects the measured steps to
+# slower links. About 14 minutes on 2 idle CPU cores with installation (docs/benchmarks.md).
+# Settings: LINK (a rate, or loopback), IMAGES (training images, 0: all), METHODS, EPOCHS (DDP's),
+# MORE_EPOCHS (the others'), PICKS, BUCKETS, RECIPE (a train config for the other options), OUT,
+# and EXTRA (more `pufferfish bench --train` flags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
@@ -30,6 +30,20 @@ MORE_EPOCHS=${MORE_EPOCHS:-$((EPOCHS + 1))}
 # every method but DDP trains MORE_EPOCHS
 EPOCH_MAP=$(echo "$METHODS" | tr ',' '\n' | grep -vx ddp | sed "s/\$/=$MORE_EPOCHS/" | paste -sd,)
 RECIPE=${RECIPE:-}  # empty: the product's defaults, the paper's recipe
+# PowerSGD's rank and Pufferfish's rank ratio: the image sweep's picks, each the fastest to DDP
+# - 0.5 on validation (benchmarks/image_ranks.py: ResNet-18 width 0.25, 20 epochs, 2 seeds), with
+# PowerSGD compressing from 10% of its steps as there (torch's advice); until the sweep has
+# chosen, the product's defaults. PICKS="" (the defaults) or your own flags override them.
+SWEEP=benchmarks/results/resnet18-w0.25-fashion-e20-ranks
+if [ -z "${PICKS+set}" ]; then
+  if PICKS=$($PY benchmarks/image_ranks.py settings "$SWEEP" 2>/dev/null); then
+    TRAINED=$([ "$IMAGES" = 0 ] && echo 55000 || echo "$IMAGES")  # the bench holds 5,000 out
+    PICKS="$PICKS --powersgd-start-iter $(( (TRAINED / 128 * MORE_EPOCHS + 9) / 10 ))"
+  else
+    echo "=== the image sweep has not chosen its settings yet: the product's defaults"
+    PICKS=""
+  fi
+fi
 MODEL=(--model resnet18 --width 0.25 --batch-size 64)
 
 echo "=== pufferfish factorize --model resnet18 vgg19_bn   (the paper's models: width 1.0, CIFAR-10 shapes)"
@@ -45,7 +59,7 @@ fi
 # BUCKETS: DDP's gradient buckets, `auto` (the product's default: timed and chosen for each run's
 # model, again after the switch), `torch` (torch's default) or a cap in MiB.
 TRAIN=(--train-subset "$IMAGES" --epochs "$EPOCHS" --method-epochs "$EPOCH_MAP"
-       --warmup-epochs 1 --bucket-mb "${BUCKETS:-auto}")
+       --warmup-epochs 1 --bucket-mb "${BUCKETS:-auto}" $PICKS)
 [ -n "$RECIPE" ] && TRAIN+=(--train-config "$RECIPE")
 echo "=== pufferfish bench --train ${MODEL[*]} --methods $METHODS --bandwidth $BW ${TRAIN[*]}"
 echo "    (the first $IMAGES training images (0: all 60,000) and all 10,000 test images; 2 processes, one core each; each method"

@@ -17,6 +17,7 @@ choices made there), 20 epochs, 2 processes x 64 images, the paper's SGD recipe 
     sudo python benchmarks/image_ranks.py bench OUT --seed S   # once the runs have finished
     python benchmarks/image_ranks.py table OUT [--md FILE]
     python benchmarks/image_ranks.py cache OUT DEST   # the runs' records and the benches, no checkpoints
+    python benchmarks/image_ranks.py settings OUT   # the picks to DDP − 0.5, as bench flags (the demo's)
 
 Runs go through ``benchmarks/sweep.py`` (cached, resumed from checkpoints); about 30 minutes a
 run on 2 idle CPU cores, 20 runs in all. ``bench`` times every method's settings side by side in
@@ -364,6 +365,21 @@ def table(out: Path) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def settings(out: Path, margin: float = 0.5) -> dict | str:
+    """The sweep's picks to DDP − ``margin`` (chosen on validation, :func:`fastest`): the
+    fastest PowerSGD rank and the fastest Pufferfish rank ratio alone, as ``{"powersgd_rank":
+    r, "rank_ratio": "x"}`` (what `make demo` trains at); a string says why there are none."""
+    found = results(out)
+    if isinstance(found, str):
+        return found
+    psgd, puff = fastest(found, "psgd-r", margin), fastest(found, "puff-r", margin)
+    if psgd is None or puff is None:
+        return f"image_ranks: no {'PowerSGD rank' if psgd is None else 'Pufferfish rank ratio'} " \
+               f"reaches DDP −{margin:g} on validation on both seeds"
+    return {"powersgd_rank": int(psgd.removeprefix("psgd-r")),
+            "rank_ratio": puff.removeprefix("puff-r")}
+
+
 def bench(out: Path, seed: int) -> int:
     """``pufferfish bench`` of every setting the runs' phases need, for seed ``seed``'s times."""
     rank = best_psgd_rank(out)
@@ -387,6 +403,8 @@ def main() -> int:
     t = sub.add_parser("table")
     t.add_argument("out", type=Path)
     t.add_argument("--md", type=Path)
+    p = sub.add_parser("settings", help="the picks to DDP − 0.5 as `pufferfish bench` flags")
+    p.add_argument("out", type=Path)
     c = sub.add_parser("cache", help="copy the finished runs and the benches into a cache folder")
     c.add_argument("out", type=Path)
     c.add_argument("dest", type=Path)
@@ -395,6 +413,13 @@ def main() -> int:
         copied = cache(args.out, args.dest)
         print(f"image_ranks: {len(copied)} cached in {args.dest}; still to run: "
               + (", ".join(pending(args.out)) or "none"))
+        return 0
+    if args.cmd == "settings":
+        picked = settings(args.out)
+        if isinstance(picked, str):
+            print(picked, file=sys.stderr)
+            return 1
+        print(f"--powersgd-rank {picked['powersgd_rank']} --rank-ratio {picked['rank_ratio']}")
         return 0
     if args.cmd == "bench":
         return bench(args.out, args.seed)

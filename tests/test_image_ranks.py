@@ -91,6 +91,10 @@ def test_the_verdict_picks_on_validation_and_judges_on_test_by_worst_rounds(
     assert "DDP −1, seed 0: Pufferfish puff-r0.25: 86 s [85–87]; PowerSGD psgd-r2: 86 s " \
            "[85–87]: a tie (the rounds overlap)" in text, text
     assert "| psgd-r1 | 0 | 93.00% | 430 |" in text  # reported, not chosen
+    # the demo's settings: the same picks, PowerSGD's on validation (rank 2, not rank 1)
+    assert image_ranks.settings(tmp_path) == {"powersgd_rank": 2, "rank_ratio": "0.25"}
+    (image_ranks.bench_dir(tmp_path, 1) / "results.json").unlink()
+    assert "no bench for seed 1" in image_ranks.settings(tmp_path)
 
 
 def test_table_says_what_is_missing(tmp_path: Path) -> None:
