@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU code paths the CPU tests cannot reach, each a short real run with its own timeout
 # (docs/benchmarks.md, Threats 8). On one GPU two processes share it (gloo between them, as
-# distributed/env.py's pick_device chooses); one process uses NCCL. Checks, each PASS or FAIL:
+# distributed/env.py's join_group chooses); one process uses NCCL. Checks, each PASS or FAIL:
 #   bench     `pufferfish bench`'s own workers on the GPU: results.md names the device
 #   psgd      DDP + PowerSGD, checkpointed, then resumed (its memory loaded on the CPU, moved back)
 #   diloco    DiLoCo's outer steps and its replicas' agreement check on GPU tensors

@@ -4,7 +4,7 @@ On one machine the bench launches its own ranks (:mod:`.workers`) over loopback 
 link. Under ``torchrun`` (any ``--nnodes`` / ``--nproc-per-node``, its rendezvous as the user set
 it) the processes are already there, on the user's machines and network: every process runs the
 same ``pufferfish bench`` command, joins one process group (NCCL on a GPU per local rank, else
-gloo: :func:`~.step.rank_device`), and
+gloo: :func:`~.step.join`), and
 
 1. probes the link between the ranks with the all-reduces of ``_probe.measure`` (bus bandwidth of
    a large one, round trip of a one-float one): the links table's one row, ``torchrun``;
@@ -19,7 +19,6 @@ No emulation and no launcher of our own: ``--bandwidth`` and ``--workers`` are r
 
 from __future__ import annotations
 
-import datetime
 import gc
 import os
 from collections.abc import Callable, Sequence
@@ -38,8 +37,8 @@ from .step import (  # the step worker's own protocol
     _parser,
     _record,
     _steps_batches,
+    join,
     measure,
-    rank_device,
 )
 
 __all__ = ["TORCHRUN_LINK", "is_rank0", "launched_world", "measure_in_group",
@@ -87,8 +86,7 @@ def measure_in_group(methods: Sequence[str], rounds: int, step_flags: Sequence[s
     that a method is measured exactly as in the bench's own worker groups. Every rank returns
     ``{"links", "order", "rounds", "skipped", "failures"}``; only rank 0's records are filled."""
     args = _parser().parse_args(list(step_flags))
-    device, backend = rank_device(args.device, any(base_of(m) in FSDP_METHODS for m in methods))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    device = join(args.device, any(base_of(m) in FSDP_METHODS for m in methods), GROUP_TIMEOUT_S)
     finished = False
     try:
         rank, world = dist.get_rank(), dist.get_world_size()

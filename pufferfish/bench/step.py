@@ -67,9 +67,9 @@ past id ``--vocab`` - 1 as one id), prepared before timing so data loading is ne
 timed. ``galore`` is full-rank DDP with GaLore's optimizer (:mod:`pufferfish.baselines.galore`) on the layers
 Pufferfish factorizes; ``--compile`` compiles every method's model (warm-up steps include it).
 
-Device (:func:`rank_device`): with ``--device auto`` each rank runs on a GPU when CUDA is there
-(rank ``r`` on GPU ``r mod count``), with NCCL when every rank has its own GPU and gloo when ranks
-share one (NCCL refuses two ranks on one device); a group with an FSDP2 method runs on the CPU
+Device (:func:`join`): with ``--device auto`` each rank runs on a GPU when CUDA is there (local
+rank ``r`` on GPU ``r mod count``), with NCCL when every rank of the job has its own GPU and gloo
+when ranks share one (NCCL refuses two ranks on one device); a group with an FSDP2 method runs on the CPU
 (its records say so: ``device``). Every timed step is wrapped in ``torch.cuda.synchronize()``
 (:func:`pufferfish.training.step.timed`), so its time is the GPU's work, not the launches;
 warm-up steps are never timed. ``--amp bf16|fp16`` runs the
@@ -82,11 +82,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import gc
 import inspect
 import itertools
 import json
+import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -106,7 +106,7 @@ from ..data import (
 )
 from ..distributed.buckets import BucketTuner, bucket_overrides, parse_bucket_mb
 from ..distributed.diloco import DiLoCoState
-from ..distributed.env import cleanup, exit_process, local_ranks, pick_device
+from ..distributed.env import cleanup, exit_process, join_group, local_ranks, pick_device
 from ..distributed.hooks import hook_options, register_comm_hook
 from ..models import get_spec
 from ..training.step import Replica, micro_batch_groups, timed, to_device
@@ -131,7 +131,7 @@ from .workload import (
     train_one_step,
 )
 
-__all__ = ["PUFFERFISH_RANK_RATIO", "amp_for", "device_facts", "main", "method_options", "rank_device"]
+__all__ = ["PUFFERFISH_RANK_RATIO", "amp_for", "device_facts", "join", "main", "method_options", "rank_device"]
 
 # No BatchNorm-statistics broadcast in forward (see the module docstring); newer torch
 # renamed the flag and warns about the old one.
@@ -482,26 +482,33 @@ def device_facts(device: torch.device) -> dict[str, str]:
     return {"device": str(device), "device_name": name}
 
 
-def rank_device(requested: str, cpu_only: bool) -> tuple[torch.device, str]:
-    """This process's device and the group's backend (:func:`~pufferfish.distributed.env.
-    pick_device`, from ``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE``: the bench's own workers are the
-    processes of this machine, as under torchrun); ``cpu_only``: the CPU and gloo (FSDP2 methods
-    are timed on the CPU). The GPU is made the current device."""
+def rank_device(requested: str, cpu_only: bool) -> torch.device:
+    """This process's device (:func:`~pufferfish.distributed.env.pick_device`, from
+    ``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE``: the bench's own workers are the processes of this
+    machine, as under torchrun); ``cpu_only``: the CPU (FSDP2 methods are timed on the CPU).
+    The GPU is made the current device."""
     local, local_world = local_ranks()
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device, backend = pick_device("cpu" if cpu_only else requested, local, local_world, count)
+    device = pick_device("cpu" if cpu_only else requested, local, local_world, count)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return device, backend
+    return device
+
+
+def join(requested: str, cpu_only: bool, timeout_s: float) -> torch.device:
+    """:func:`rank_device`, then the job's process group (``RANK`` of ``WORLD_SIZE``), NCCL
+    where every process has a GPU of its own, else gloo (:func:`~pufferfish.distributed.env.
+    join_group`)."""
+    device = rank_device(requested, cpu_only)
+    join_group("auto", device, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout_s)
+    return device
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    device, backend = rank_device(args.device, any(base_of(m) in FSDP_METHODS
-                                                   for m in args.methods))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
+    device = join(args.device, any(base_of(m) in FSDP_METHODS for m in args.methods), 600)
     finished = False
     try:
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -13,6 +13,7 @@ import datetime
 import inspect
 import logging
 import os
+import socket
 import sys
 import warnings
 import weakref
@@ -28,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 __all__ = ["DistEnv", "all_reduce_sum", "broadcast_in_place", "broadcast_object", "cleanup", "collective_device", "ddp_of", "ddp_options", "exit_process",
-           "gather_object", "gather_to_main", "idle_cpus", "local_ranks", "pick_device",
+           "gather_object", "gather_to_main", "gpu_id", "idle_cpus", "join_group", "local_ranks", "own_gpus", "pick_device",
            "rebuild_ddp_in_place", "rewrap_ddp", "say", "setup", "unwrapped", "wrap_ddp"]
 
 
@@ -62,11 +63,10 @@ def idle_cpus() -> int:
 
 
 def pick_device(requested: str, local_rank: int, local_world: int,
-                cuda_count: int) -> tuple[torch.device, str]:
-    """``(device, backend)`` of one process of a machine running ``local_world`` of them: ``auto``
-    is CUDA when there is a GPU (local rank ``r`` on GPU ``r mod cuda_count``), else the CPU; the
-    backend is NCCL when every process of the machine has a GPU of its own, else gloo (processes
-    sharing a GPU, which NCCL refuses, or the CPU). ``ValueError`` (one line) for ``cuda``
+                cuda_count: int) -> torch.device:
+    """The device of one process of a machine running ``local_world`` of them: ``auto`` is CUDA
+    when there is a GPU (local rank ``r`` on GPU ``r mod cuda_count``), else the CPU (the
+    backend is the job's answer: :func:`join_group`). ``ValueError`` (one line) for ``cuda``
     without a GPU or a device outside ``auto``, ``cpu``, ``cuda``."""
     if requested not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device {requested!r} is invalid: allowed auto, cpu, cuda")
@@ -74,9 +74,8 @@ def pick_device(requested: str, local_rank: int, local_world: int,
         raise ValueError("--device 'cuda' is invalid here: torch sees no CUDA device; allowed "
                          "auto or cpu")
     if requested == "cpu" or cuda_count < 1:
-        return torch.device("cpu"), "gloo"
-    device = torch.device("cuda", local_rank % cuda_count)
-    return device, "nccl" if cuda_count >= local_world else "gloo"
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % cuda_count)
 
 
 def local_ranks() -> tuple[int, int]:
@@ -90,37 +89,72 @@ def local_ranks() -> tuple[int, int]:
 def setup(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     """Join torchrun's process group if launched by it; pick the device and backend.
 
-    The device and ``auto``'s backend are :func:`pick_device`'s: a GPU of this machine when CUDA
-    is there (NCCL when each process has its own, gloo when they share), else the CPU and gloo.
-    ``timeout_s`` bounds every collective: a peer that vanished makes the others fail after it
-    instead of hanging forever.
+    The device is :func:`pick_device`'s: a GPU of this machine when CUDA is there, else the CPU;
+    ``auto``'s backend is :func:`join_group`'s: NCCL when every process of the job has a GPU of
+    its own, else gloo. ``timeout_s`` bounds every collective: a peer that vanished makes the
+    others fail after it instead of hanging forever.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank, local_world = local_ranks()
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device, auto_backend = pick_device("auto", local_rank, local_world, count)
-    if backend == "auto":
-        backend = auto_backend
+    device = pick_device("auto", local_rank, local_world, count)
     if backend == "nccl" and not count:
         raise ValueError("backend 'nccl' needs CUDA, which is not available here: use gloo or auto")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         return DistEnv(device=device)
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = _attempt_store(rank, world_size, timeout)
-        dist.init_process_group(backend, timeout=timeout, store=store,
-                                rank=rank if store is not None else -1,
-                                world_size=world_size if store is not None else -1,
-                                device_id=device if backend == "nccl" else None)
+    if dist.is_initialized():
+        backend = str(dist.get_backend()).lower()
+    else:
+        backend = join_group(backend, device, rank, world_size, timeout_s)
     return DistEnv(rank, world_size, local_rank, device, backend)
 
 
-def _attempt_store(rank: int, world_size: int,
-                   timeout: datetime.timedelta) -> dist.Store | None:
-    """torchrun's store, namespaced by restart attempt; None for the plain ``env://`` path.
+def join_group(backend: str, device: torch.device, rank: int, world_size: int,
+               timeout_s: float) -> str:
+    """Start the default process group over torchrun's ``env://`` store; returns its backend.
+
+    ``auto``: NCCL when every process of the job drives a GPU that no other drives (asked of the
+    job through the store, :func:`own_gpus`), else gloo (processes sharing a GPU, which NCCL
+    refuses, or a CPU). Why ask: a count of the GPUs one process sees cannot tell 8 processes on
+    one GPU from 8 that the scheduler bound to a GPU each (SLURM's ``--gpus-per-task``), nor see
+    another machine's count; every process gets the same answer, so all pick one backend.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store = _attempt_store(store)
+    if backend == "auto":
+        gpu = gpu_id(device) if device.type == "cuda" else None
+        backend = "nccl" if own_gpus(store, world_size, gpu) else "gloo"
+    dist.init_process_group(backend, timeout=timeout, store=store, rank=rank,
+                            world_size=world_size,
+                            device_id=device if backend == "nccl" else None)
+    return backend
+
+
+def gpu_id(device: torch.device) -> str:
+    """The GPU ``device`` is, across the job: this machine's name and the GPU's UUID (one GPU
+    seen through different ``CUDA_VISIBLE_DEVICES`` has different indices, one UUID)."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return f"{socket.gethostname()}/{uuid if uuid is not None else device.index}"
+
+
+def own_gpus(store: dist.Store, world_size: int, gpu: str | None) -> bool:
+    """Whether each of the job's ``world_size`` processes drives a GPU of its own: each counts
+    its ``gpu`` (:func:`gpu_id`; None: the CPU) in ``store`` and waits for all the others; the
+    same answer on every process."""
+    if gpu is None or store.add(f"pufferfish/gpu/{gpu}", 1) > 1:
+        store.add("pufferfish/gpu/shared", 1)
+    if store.add("pufferfish/gpu/joined", 1) == world_size:
+        store.set("pufferfish/gpu/all", "1")
+    store.wait(["pufferfish/gpu/all"])
+    return store.add("pufferfish/gpu/shared", 0) == 0
+
+
+def _attempt_store(store: dist.Store) -> dist.Store:
+    """torchrun's ``store``, namespaced by restart attempt after the first.
 
     Why: under ``torchrun --max-restarts`` (static rendezvous) the agent's TCPStore outlives the
     workers, and the process group's keys (where each rank's gloo pair listens) are the same in
@@ -137,8 +171,7 @@ def _attempt_store(rank: int, world_size: int,
         restart = 0
     if (restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
             or os.environ.get("PUFFERFISH_ATTEMPT_PREFIX", "1") == "0"):
-        return None
-    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        return store
     return dist.PrefixStore(f"pufferfish/attempt_{restart}", store)
 
 
@@ -419,7 +452,7 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     it, for a user's loop that never made it the current device), else the CPU."""
     if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
         if "LOCAL_RANK" in os.environ:
-            return pick_device("cuda", *local_ranks(), torch.cuda.device_count())[0]
+            return pick_device("cuda", *local_ranks(), torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
