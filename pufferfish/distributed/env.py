@@ -135,10 +135,11 @@ def join_group(backend: str, device: torch.device, rank: int, world_size: int,
 
 
 def gpu_id(device: torch.device) -> str:
-    """The GPU ``device`` is, across the job: this machine's name and the GPU's UUID (one GPU
-    seen through different ``CUDA_VISIBLE_DEVICES`` has different indices, one UUID)."""
+    """The GPU ``device`` is, across the job: its UUID, one per GPU (or MIG slice) whichever
+    ``CUDA_VISIBLE_DEVICES`` or container shows it; without one, this machine's name and the
+    index."""
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
-    return f"{socket.gethostname()}/{uuid if uuid is not None else device.index}"
+    return f"GPU-{uuid}" if uuid is not None else f"{socket.gethostname()}/{device.index}"
 
 
 def own_gpus(store: dist.Store, world_size: int, gpu: str | None) -> bool:
