@@ -19,6 +19,7 @@ from .config import ConfigError, TrainConfig
 from .lowrank import LowRankModule, count_macs
 from .switch import FactorizationPlan, Switch, SwitchPolicy, SwitchSchedule, carry_state
 from .training.methods.base import Change, Method
+from .training.precision import amp_dtype
 
 __all__ = ["FullRankMethod", "PufferfishMethod"]
 
@@ -59,6 +60,8 @@ class PufferfishMethod(FullRankMethod):
 
     def setup(self, model: nn.Module, example_input: Any, cfg: TrainConfig) -> None:
         self.switch.plan.example_input = example_input
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.switch.plan.amp_dtype = amp_dtype(cfg, device)  # layers timed as they train
         self.switch.observe(0, model)  # checks the plan; automatic: the stable ranks at init
 
     def start_text(self, steps_per_epoch: int) -> str | None:

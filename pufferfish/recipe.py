@@ -126,6 +126,9 @@ class Recipe:
         bucket_mb: DDP's gradient bucket cap (MiB) of the wrapper re-built at the switch, sized
             for the smaller model; ``"torch"``: torch's default; None: the user's wrapper's.
             (``"auto"``, timed on real steps, is ``pufferfish train``'s: it owns the steps.)
+        amp_dtype: the dtype of your forward's autocast (``torch.float16``, ``torch.bfloat16``),
+            or None: ``keep="auto"`` and the kernel choice time the layers under it, as they
+            train (the trainer callbacks read it from the trainer's mixed precision).
     """
 
     def __init__(
@@ -145,6 +148,7 @@ class Recipe:
         switch_window: float = 1.0,
         switch_momentum: str = "reset",
         bucket_mb: float | str | None = None,
+        amp_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(keep, str) and isinstance(keep, Iterable):
             keep = list(keep)  # checked, then used: an iterator must be read once
@@ -155,7 +159,7 @@ class Recipe:
                               window=switch_window)
         plan = FactorizationPlan(rank_ratio, keep, max_rank_ratio=max_rank_ratio, preset=preset,
                                  keep_first=keep_first, extra_bn=extra_bn,
-                                 example_input=example_input)
+                                 example_input=example_input, amp_dtype=amp_dtype)
         self.switch_owner = Switch(policy, plan)
         self.on_wrap = on_wrap
         self.bucket_mb = bucket_mb
@@ -487,6 +491,8 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
         raise bad("keep_first", "an integer >= 0")
     if not isinstance(args["extra_bn"], bool):
         raise bad("extra_bn", "True or False")
+    if args["amp_dtype"] not in (None, torch.float16, torch.bfloat16):
+        raise bad("amp_dtype", "torch.float16, torch.bfloat16 or None")
     if args["on_wrap"] is not None and not callable(args["on_wrap"]):
         raise bad("on_wrap", "a callable taking the new DistributedDataParallel, or None")
     if not (number(args["min_warmup"]) and args["min_warmup"] >= 0):

@@ -338,3 +338,63 @@ def test_frobenius_decay_on_factorized_lstm_and_attention() -> None:
     factors = {id(p) for p in frobenius_decay_params(model)}
     names = {n for n, p in model.named_parameters() if id(p) in factors}
     assert len(factors) == 14 and not any("bias" in n for n in names)
+
+
+def test_layers_are_timed_under_the_run_s_autocast_and_factorized_outside_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import pufferfish.switch as switch
+
+    seen: list[tuple[str, bool, torch.dtype]] = []
+
+    def recorder(what: str, result: object):  # the timings, replaced: no bf16 kernel runs
+        def timed(*args: object, **kwargs: object) -> object:
+            seen.append((what, torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            return result
+        return timed
+
+    monkeypatch.setattr(switch, "profile_keep", recorder("keep", ([], {})))
+    monkeypatch.setattr(switch, "time_kernels", recorder("kernels", {}))
+    for amp in (torch.bfloat16, None):
+        seen.clear()
+        model = _Recurrent()
+        recipe = pf.Recipe(warmup_epochs=0, keep="auto", example_input=torch.randn(3, 2, 24),
+                           amp_dtype=amp)
+        recipe.switch(0, model, None)
+        assert [w for w, *_ in seen] == ["keep", "kernels"]
+        assert all(on == (amp is not None) for _, on, _ in seen), seen
+        if amp is not None:
+            assert all(dtype == amp for *_, dtype in seen), seen
+        # the SVD's factors stay fp32, whatever the timing ran under
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+    with pytest.raises(ValueError, match=r"amp_dtype torch\.float32 is invalid: allowed "
+                                         r"torch\.float16, torch\.bfloat16 or None"):
+        pf.Recipe(amp_dtype=torch.float32)
+
+
+def test_the_trainers_mixed_precision_is_the_timing_s() -> None:
+    from transformers import TrainingArguments
+
+    from pufferfish.integrations import hf, lightning
+
+    assert hf.amp_dtype(TrainingArguments("unused", bf16=True, use_cpu=True)) == torch.bfloat16
+    assert hf.amp_dtype(TrainingArguments("unused", use_cpu=True)) is None
+    assert lightning.amp_dtype("16-mixed") == torch.float16
+    assert lightning.amp_dtype("bf16-mixed") == torch.bfloat16
+    assert lightning.amp_dtype("bf16-true") is None and lightning.amp_dtype("32-true") is None
+    given = hf.PufferfishCallback(amp_dtype=torch.float16)  # the recipe's own wins
+    given.switcher.follow_amp(torch.bfloat16)
+    assert given.recipe.switch_owner.plan.amp_dtype == torch.float16
+    followed = hf.PufferfishCallback()
+    followed.switcher.follow_amp(torch.bfloat16)
+    assert followed.recipe.switch_owner.plan.amp_dtype == torch.bfloat16
+
+
+def test_train_s_amp_is_the_timing_s() -> None:
+    from pufferfish.config import TrainConfig
+    from pufferfish.method import PufferfishMethod
+
+    for amp, want in ((True, torch.bfloat16), (False, None)):  # bf16 autocast on the CPU
+        cfg = TrainConfig(amp=amp, epochs=2, preset="none")
+        method = PufferfishMethod(cfg)
+        method.setup(nn.Sequential(nn.Linear(8, 8)), torch.randn(2, 8), cfg)
+        assert method.switch.plan.amp_dtype == want

@@ -74,6 +74,7 @@ class TrainerSwitch:
         self.warmup_steps = warmup_steps
         epochs = 0 if warmup_steps is not None else (2 if warmup_epochs is None else warmup_epochs)
         self.recipe = Recipe(warmup_epochs=epochs, **recipe_options)
+        self._amp_given = "amp_dtype" in recipe_options
         if warmup_steps is not None:  # the schedule's switch in steps
             self._reschedule(warmup_steps=warmup_steps)
         self._model_decides = warmup_epochs is None and warmup_steps is None
@@ -89,6 +90,12 @@ class TrainerSwitch:
     def _reschedule(self, **changes: Any) -> None:
         policy = self.recipe.switch_owner.policy
         policy.schedule = dataclasses.replace(policy.schedule, **changes)
+
+    def follow_amp(self, dtype: torch.dtype | None) -> None:
+        """The trainer's autocast dtype (None: none), under which ``keep="auto"`` and the kernel
+        choice time the layers, unless the recipe was given its own ``amp_dtype``."""
+        if not self._amp_given:
+            self.recipe.switch_owner.plan.amp_dtype = dtype
 
     # --- when ---------------------------------------------------------------------------------
 

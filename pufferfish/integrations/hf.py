@@ -99,6 +99,7 @@ class PufferfishCallback(TrainerCallback, ExportableState):
         if saved is not None:
             self.switcher.restore(saved, model, [optimizer])
         self.switcher.check_optimizers(model, [optimizer])
+        self.switcher.follow_amp(amp_dtype(args))
         self.switcher.start(model, state.epoch, resumed)
         wrapper = _find_wrapper(model)
         core.check_wrapper(wrapper)
@@ -165,3 +166,10 @@ def _find_wrapper(model: nn.Module) -> DistributedDataParallel | None:
             "the parameters the switch replaces into buffers of their own)")
     raise RuntimeError(f"PufferfishCallback found {len(found)} DistributedDataParallel wrappers "
                        f"around the {type(model).__name__}: allowed is one")
+
+
+def amp_dtype(args: Any) -> torch.dtype | None:
+    """The Trainer's autocast dtype from its ``TrainingArguments`` (``bf16``, ``fp16``)."""
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    return torch.float16 if getattr(args, "fp16", False) else None

@@ -97,6 +97,7 @@ class PufferfishCallback(Callback):
             self._pending = None
         core.check_wrapper(trainer.strategy.model)
         self.switcher.check_optimizers(pl_module, self._optimizers)
+        self.switcher.follow_amp(amp_dtype(trainer.precision))
         self.switcher.start(pl_module, trainer.current_epoch, resumed)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: nn.Module) -> None:
@@ -119,3 +120,9 @@ class PufferfishCallback(Callback):
         self.switcher.switch(trainer.current_epoch, trainer.global_step, pl_module,
                              list(trainer.optimizers),
                              wrapper if isinstance(wrapper, DistributedDataParallel) else None)
+
+
+def amp_dtype(precision: Any) -> torch.dtype | None:
+    """The Trainer's autocast dtype from its ``precision`` (``"16-mixed"``, ``"bf16-mixed"``;
+    ``"*-true"`` casts the model itself, no autocast)."""
+    return {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(str(precision))

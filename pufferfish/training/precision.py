@@ -23,18 +23,24 @@ from ..distributed import env as dist_env
 from ..distributed.env import DistEnv
 from ..models import build_at_width
 
-__all__ = ["autocast", "bf16_refused", "check_amp", "recurrent_kinds"]
+__all__ = ["amp_dtype", "autocast", "bf16_refused", "check_amp", "recurrent_kinds"]
 
 _RECURRENT = (nn.LSTM, nn.GRU, nn.RNN)  # the layers whose bf16 kernel has no torch fallback
 
 
-def autocast(cfg: TrainConfig, env: DistEnv) -> contextlib.AbstractContextManager:
-    """The forward pass's autocast: none without ``--amp``, fp16 on CUDA, bf16 on CPU."""
+def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """The forward pass's autocast dtype on ``device``: None without ``--amp``, fp16 on CUDA,
+    bf16 on CPU."""
     if not cfg.amp:
-        return contextlib.nullcontext()
-    if env.device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.float16)
-    return torch.autocast("cpu", dtype=torch.bfloat16)
+        return None
+    return torch.float16 if device.type == "cuda" else torch.bfloat16
+
+
+def autocast(cfg: TrainConfig, env: DistEnv) -> contextlib.AbstractContextManager:
+    """The forward pass's autocast (:func:`amp_dtype`), a null context without ``--amp``."""
+    dtype = amp_dtype(cfg, env.device)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(env.device.type,
+                                                                          dtype=dtype)
 
 
 @functools.cache
