@@ -1,7 +1,7 @@
 """The job's backend (pufferfish.distributed.env.join_group): NCCL only when every process of the
-job drives a GPU no other process drives, asked of the job through torchrun's store, so that
-processes bound to a GPU each by the scheduler (each seeing one) get NCCL, processes sharing one
-get gloo, and every process picks the same."""
+job drives a GPU no other process drives, asked of the job over a gloo group first, so that
+processes a scheduler binds to a GPU each (each seeing one) get NCCL, processes sharing one get
+gloo, and every process picks the same."""
 
 from __future__ import annotations
 
@@ -17,13 +17,19 @@ from helpers import free_port
 from pufferfish.distributed.env import cleanup, exit_process, join_group, own_gpus
 
 WORLD = 3
-# Each rank's GPU (host/UUID as gpu_id says it; None: the CPU) and the job's answer.
+# Each rank's GPU (as gpu_id says it; None: the CPU or a MIG slice) and the job's answer.
 CASES: list[tuple[list[str | None], bool]] = [
-    (["n1/GPU-a", "n1/GPU-b", "n1/GPU-c"], True),  # one machine, a GPU each
-    (["n1/GPU-a", "n1/GPU-a", "n1/GPU-b"], False),  # two ranks share a GPU: NCCL refuses
-    (["n1/0", "n2/0", "n1/1"], True),  # index 0 on two machines: two GPUs
-    (["n1/GPU-a", "n1/GPU-b", None], False),  # one rank on the CPU
+    (["GPU-a", "GPU-b", "GPU-c"], True),  # a GPU each, however each process sees it
+    (["GPU-a", "GPU-a", "GPU-b"], False),  # two ranks share a GPU: NCCL refuses
+    (["n1/0", "n2/0", "n1/1"], True),  # no UUID: index 0 on two machines is two GPUs
+    (["GPU-a", "GPU-b", None], False),  # one rank on the CPU
 ]
+
+
+def _sum_of_ranks() -> float:
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    return total.item()
 
 
 def _worker(rank: int, port: int, queue: Any) -> None:
@@ -31,16 +37,20 @@ def _worker(rank: int, port: int, queue: Any) -> None:
     # torchrun's agent store: the launcher hosts it, the workers are its clients
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(WORLD), TORCHELASTIC_USE_AGENT_STORE="True")
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False,
-                          timeout=datetime.timedelta(seconds=60))
-    answers = [own_gpus(dist.PrefixStore(f"case{i}", store), WORLD, gpus[rank])
-               for i, (gpus, _) in enumerate(CASES)]
-    backend = join_group("auto", torch.device("cpu"), rank, WORLD, 60)
-    total = torch.tensor([float(rank + 1)])
-    dist.all_reduce(total)
-    queue.put((rank, {"answers": answers, "backend": backend, "sum": total.item()}))
-    queue.close()
-    queue.join_thread()
+    try:
+        backend = join_group("auto", torch.device("cpu"), rank, WORLD, 60)
+        answers = [own_gpus(gpus[rank]) for gpus, _ in CASES]
+        sums = [_sum_of_ranks()]
+        dist.destroy_process_group()  # train() again in this process: the same store
+        again = join_group("auto", torch.device("cpu"), rank, WORLD, 60)
+        sums.append(_sum_of_ranks())
+        queue.put((rank, {"answers": answers, "backends": [backend, again], "sums": sums}))
+    except Exception as error:
+        queue.put((rank, repr(error)))
+        raise
+    finally:
+        queue.close()
+        queue.join_thread()
     cleanup(drain=True)
     exit_process(0)
 
@@ -54,12 +64,17 @@ def test_every_process_gets_the_job_s_answer() -> None:
     procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=180) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    try:
+        results = dict(queue.get(timeout=180) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
     del server
     want = [answer for _, answer in CASES]
     for rank in range(WORLD):
+        assert isinstance(results[rank], dict), results[rank]
         assert results[rank]["answers"] == want, (rank, results[rank])
-        # the CPU: gloo, a working group of the three
-        assert results[rank]["backend"] == "gloo" and results[rank]["sum"] == 6.0
+        # the CPU: gloo, a working group of the three, twice in one process
+        assert results[rank]["backends"] == ["gloo", "gloo"] and results[rank]["sums"] == [6.0] * 2

@@ -81,8 +81,7 @@ def pick_device(requested: str, local_rank: int, local_world: int,
 def local_ranks() -> tuple[int, int]:
     """``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` of this process (torchrun's; ``(0, 1)`` alone)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    # without LOCAL_WORLD_SIZE (a launcher other than torchrun): one machine's processes, so
-    # that every process reads the same count and picks the same backend
+    # without LOCAL_WORLD_SIZE (a launcher other than torchrun): one machine's processes
     return local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
@@ -112,46 +111,54 @@ def setup(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     return DistEnv(rank, world_size, local_rank, device, backend)
 
 
+_joins = 0  # this process's joins so far (train() twice in one process): a namespace each
+
+
 def join_group(backend: str, device: torch.device, rank: int, world_size: int,
                timeout_s: float) -> str:
     """Start the default process group over torchrun's ``env://`` store; returns its backend.
 
-    ``auto``: NCCL when every process of the job drives a GPU that no other drives (asked of the
-    job through the store, :func:`own_gpus`), else gloo (processes sharing a GPU, which NCCL
-    refuses, or a CPU). Why ask: a count of the GPUs one process sees cannot tell 8 processes on
-    one GPU from 8 that the scheduler bound to a GPU each (SLURM's ``--gpus-per-task``), nor see
-    another machine's count; every process gets the same answer, so all pick one backend.
+    ``auto``: NCCL when every process of the job drives a GPU that no other drives, else gloo
+    (processes sharing a GPU or a MIG-sliced one, which NCCL refuses, or a CPU). Why ask the job
+    (:func:`own_gpus`, over a gloo group first): a count of the GPUs one process sees cannot
+    tell 8 processes on one GPU from 8 that a scheduler bound to a GPU each (``srun`` with
+    ``--gpus-per-task=1``), nor see another machine's; every process gets the same answer.
     """
+    global _joins
+    _joins += 1
     timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
     store = _attempt_store(store)
     if backend == "auto":
-        gpu = gpu_id(device) if device.type == "cuda" else None
-        backend = "nccl" if own_gpus(store, world_size, gpu) else "gloo"
+        dist.init_process_group("gloo", timeout=timeout, store=store, rank=rank,
+                                world_size=world_size)
+        if not own_gpus(gpu_id(device) if device.type == "cuda" else None):
+            return "gloo"
+        dist.destroy_process_group()  # the same processes again, over NCCL
+        store, backend = dist.PrefixStore(f"pufferfish/nccl_{_joins}", store), "nccl"
     dist.init_process_group(backend, timeout=timeout, store=store, rank=rank,
                             world_size=world_size,
                             device_id=device if backend == "nccl" else None)
     return backend
 
 
-def gpu_id(device: torch.device) -> str:
-    """The GPU ``device`` is, across the job: its UUID, one per GPU (or MIG slice) whichever
-    ``CUDA_VISIBLE_DEVICES`` or container shows it; without one, this machine's name and the
-    index."""
-    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+def gpu_id(device: torch.device) -> str | None:
+    """The GPU ``device`` is, across the job: its UUID, one per GPU whichever
+    ``CUDA_VISIBLE_DEVICES`` or container shows it (without one: this machine's name and the
+    index); None for a MIG slice, on which NCCL runs no rank (one rank per PCI device)."""
+    props = torch.cuda.get_device_properties(device)
+    if "MIG" in props.name or "MIG-" in os.environ.get("CUDA_VISIBLE_DEVICES", ""):
+        return None
+    uuid = getattr(props, "uuid", None)
     return f"GPU-{uuid}" if uuid is not None else f"{socket.gethostname()}/{device.index}"
 
 
-def own_gpus(store: dist.Store, world_size: int, gpu: str | None) -> bool:
-    """Whether each of the job's ``world_size`` processes drives a GPU of its own: each counts
-    its ``gpu`` (:func:`gpu_id`; None: the CPU) in ``store`` and waits for all the others; the
-    same answer on every process."""
-    if gpu is None or store.add(f"pufferfish/gpu/{gpu}", 1) > 1:
-        store.add("pufferfish/gpu/shared", 1)
-    if store.add("pufferfish/gpu/joined", 1) == world_size:
-        store.set("pufferfish/gpu/all", "1")
-    store.wait(["pufferfish/gpu/all"])
-    return store.add("pufferfish/gpu/shared", 0) == 0
+def own_gpus(gpu: str | None) -> bool:
+    """Whether each process of the default group drives a GPU of its own: every process's
+    ``gpu`` (:func:`gpu_id`; None: none NCCL can use) gathered, the same answer on all."""
+    ids: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, gpu)
+    return None not in ids and len(set(ids)) == len(ids)
 
 
 def _attempt_store(store: dist.Store) -> dist.Store:
@@ -162,9 +169,9 @@ def _attempt_store(store: dist.Store) -> dist.Store:
     every attempt. A restarted rank can then read a peer's address from the *previous* attempt
     and fail with "connection refused", or wait for it until the timeout. Prefixing the keys with
     ``TORCHELASTIC_RESTART_COUNT`` keeps the attempts apart. The count is the same on every
-    worker of a static group (all are restarted together); if it is not in your setup (nodes
-    joining a c10d rendezvous, which gives each round a fresh store anyway), set
-    ``PUFFERFISH_ATTEMPT_PREFIX=0``.
+    worker of a static group (all are restarted together); if it is not in your setup (several
+    nodes under a c10d rendezvous: an agent restarted by a membership change does not count
+    it), set ``PUFFERFISH_ATTEMPT_PREFIX=0``.
     """
     try:
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
