@@ -128,14 +128,16 @@ def join_group(backend: str, device: torch.device, rank: int, world_size: int,
     _joins += 1
     timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-    store = _attempt_store(store)
+    # each group's keys its own: a group started again on the same store (a second join, or
+    # NCCL after the gloo question) would otherwise read where the last one's peers listened
+    store = dist.PrefixStore(f"pufferfish/join_{_joins}", _attempt_store(store))
     if backend == "auto":
-        dist.init_process_group("gloo", timeout=timeout, store=store, rank=rank,
-                                world_size=world_size)
+        dist.init_process_group("gloo", timeout=timeout, store=dist.PrefixStore("ask", store),
+                                rank=rank, world_size=world_size)
         if not own_gpus(gpu_id(device) if device.type == "cuda" else None):
             return "gloo"
         dist.destroy_process_group()  # the same processes again, over NCCL
-        store, backend = dist.PrefixStore(f"pufferfish/nccl_{_joins}", store), "nccl"
+        backend = "nccl"
     dist.init_process_group(backend, timeout=timeout, store=store, rank=rank,
                             world_size=world_size,
                             device_id=device if backend == "nccl" else None)
