@@ -19,8 +19,9 @@ choices made there), 20 epochs, 2 processes x 64 images, the paper's SGD recipe 
     python benchmarks/image_ranks.py cache OUT DEST   # the runs' records and the benches, no checkpoints
     python benchmarks/image_ranks.py settings OUT   # the picks to DDP − 0.5, as bench flags (the demo's)
 
-Runs go through ``benchmarks/sweep.py`` (cached, resumed from checkpoints); about 30 minutes a
-run on 2 idle CPU cores, 20 runs in all. ``bench`` times every method's settings side by side in
+On a fresh machine, start OUT from the cache (``cp -r CACHE/. OUT``): its runs count as
+finished and ``cache`` skips them again. Runs go through ``benchmarks/sweep.py`` (cached,
+resumed from checkpoints); 20 to 55 minutes a run on 2 idle CPU cores, 20 runs in all. ``bench`` times every method's settings side by side in
 one ``pufferfish bench`` (each setting a ``METHOD:KEY=VALUE`` method), once per seed, so that
 each seed's times come from rounds of their own. ``table``: each run's epochs to each target and
 its seconds over each link, a run's steps timed in phases (:func:`phases`); the verdict per

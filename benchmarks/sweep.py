@@ -121,7 +121,7 @@ def cache(paths: Iterable[Path], dest: Path) -> list[Path]:
     checkpoints), each file by :func:`copy_once` once all of the run's were checked; returns
     the copies."""
     copies = []
-    for path in (p for p in paths if finished(p) is not None):
+    for path in (p for p in paths if finished(p) is not None and not _cached(p, dest)):
         files = [f for f in run_files(path) if f.parent == path]
         if not {"config.toml", "metrics.jsonl"} <= {f.name for f in files}:
             raise SystemExit(f"sweep: {path} holds no config.toml and metrics.jsonl of a "
@@ -132,6 +132,15 @@ def cache(paths: Iterable[Path], dest: Path) -> list[Path]:
             copy_once(f, dest / path.name / f.name)
         copies.append(dest / path.name)
     return copies
+
+
+def _cached(path: Path, dest: Path) -> bool:
+    """Whether the run ``path`` is a copy of its cached record in ``dest`` (every file there,
+    byte for byte): a study's OUT started again from its cache on a fresh machine."""
+    files = [f for f in path.iterdir() if f.is_file()]
+    return bool(files) and all((dest / path.name / f.name).is_file()
+                               and (dest / path.name / f.name).read_bytes() == f.read_bytes()
+                               for f in files)
 
 
 def parser(doc: str) -> tuple[argparse.ArgumentParser, Any]:

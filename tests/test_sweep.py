@@ -4,6 +4,7 @@ finished by its test metric, resumed from its checkpoint, and phase choices foll
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -208,3 +209,20 @@ def test_cache_copies_finished_runs_records_only_and_never_overwrites(tmp_path: 
     _finish(runs / "c", test_acc=0.9)  # metrics without the config of a train run
     with pytest.raises(SystemExit, match=r"no config\.toml and metrics\.jsonl"):
         sweep.cache([runs / "c"], tmp_path / "cache2")
+
+
+def test_a_study_started_again_from_its_cache_resumes(tmp_path: Path) -> None:
+    runs, dest = tmp_path / "runs", tmp_path / "cache"
+    for name in ("a", "b"):
+        _finish(runs / name, test_acc=0.9)
+        (runs / name / "config.toml").write_text("epochs = 1\n")
+        save_checkpoint(runs / name, {"w": torch.zeros(2)}, 100)  # the run's record
+    assert sweep.cache([runs / "a"], dest) == [dest / "a"]
+    fresh = tmp_path / "fresh"  # a new machine: OUT started from the cache's records
+    shutil.copytree(dest, fresh)
+    shutil.copytree(runs / "b", fresh / "b")  # and trained on
+    assert sweep.finished(fresh / "a") is not None  # not trained again
+    assert sweep.cache([fresh / "a", fresh / "b"], dest) == [dest / "b"]  # a: cached already
+    (fresh / "a" / "config.toml").write_text("epochs = 1\n# edited\n")  # not the cached one
+    with pytest.raises(SystemExit, match=r"no config\.toml and metrics\.jsonl"):
+        sweep.cache([fresh / "a"], dest)
