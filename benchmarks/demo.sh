@@ -33,16 +33,20 @@ RECIPE=${RECIPE:-}  # empty: the product's defaults, the paper's recipe
 # PowerSGD's rank and Pufferfish's rank ratio: the image sweep's picks, each the fastest to DDP
 # - 0.5 on validation (benchmarks/image_ranks.py: ResNet-18 width 0.25, 20 epochs, 2 seeds), with
 # PowerSGD compressing from 10% of its steps as there (torch's advice); until the sweep has
-# chosen, the product's defaults. PICKS="" (the defaults) or your own flags override them.
+# chosen, the product's defaults. PICKS="" (the defaults) or your own rank flags override them.
 SWEEP=benchmarks/results/resnet18-w0.25-fashion-e20-ranks
+START=()
 if [ -z "${PICKS+set}" ]; then
-  if PICKS=$($PY benchmarks/image_ranks.py settings "$SWEEP" 2>/dev/null); then
+  WHY=$(mktemp)
+  if PICKS=$($PY benchmarks/image_ranks.py settings "$SWEEP" 2>"$WHY"); then
     TRAINED=$([ "$IMAGES" = 0 ] && echo 55000 || echo "$IMAGES")  # the bench holds 5,000 out
-    PICKS="$PICKS --powersgd-start-iter $(( (TRAINED / 128 * MORE_EPOCHS + 9) / 10 ))"
+    START=(--powersgd-start-iter $(( (TRAINED / 128 * MORE_EPOCHS + 9) / 10 )))
+    echo "=== the image sweep's picks: $PICKS ${START[*]}"
   else
-    echo "=== the image sweep has not chosen its settings yet: the product's defaults"
+    echo "=== the product's defaults (the image sweep has not chosen: $(head -c 300 "$WHY"))"
     PICKS=""
   fi
+  rm -f "$WHY"
 fi
 MODEL=(--model resnet18 --width 0.25 --batch-size 64)
 
@@ -59,7 +63,7 @@ fi
 # BUCKETS: DDP's gradient buckets, `auto` (the product's default: timed and chosen for each run's
 # model, again after the switch), `torch` (torch's default) or a cap in MiB.
 TRAIN=(--train-subset "$IMAGES" --epochs "$EPOCHS" --method-epochs "$EPOCH_MAP"
-       --warmup-epochs 1 --bucket-mb "${BUCKETS:-auto}" $PICKS)
+       --warmup-epochs 1 --bucket-mb "${BUCKETS:-auto}" $PICKS ${START[@]+"${START[@]}"})
 [ -n "$RECIPE" ] && TRAIN+=(--train-config "$RECIPE")
 echo "=== pufferfish bench --train ${MODEL[*]} --methods $METHODS --bandwidth $BW ${TRAIN[*]}"
 echo "    (the first $IMAGES training images (0: all 60,000) and all 10,000 test images; 2 processes, one core each; each method"
@@ -71,7 +75,9 @@ RUNS="$OUT/train/$BW"
 if [ "$BW" = loopback ]; then
   echo "=== projection: the same accuracy per epoch, with step times measured here and modelled for slower links"
   RUNMAP=$(echo "$METHODS" | tr ',' '\n' | sed "s|.*|&=$RUNS/&|" | paste -sd,)
-  $PY -m pufferfish bench "${MODEL[@]}" --methods "$METHODS" --bandwidth loopback --steps 6 \
+  # the steps timed as trained, every PowerSGD step compressed (its first plain ones are not
+  # modelled: a slight advantage to PowerSGD)
+  $PY -m pufferfish bench "${MODEL[@]}" $PICKS --methods "$METHODS" --bandwidth loopback --steps 6 \
     --warmup 2 --compute-steps 3 --rounds 2 --accuracy-runs "$RUNMAP" \
     --compute-ms 30 --out "$OUT/projection" $OVERWRITE > "$OUT/projection.log"
   sed -n '/^## Time to accuracy, PROJECTED/,/^!\[/p' "$OUT/projection/results.md" | grep -v '^!\['

@@ -430,10 +430,17 @@ def main() -> int:
         if args.md is not None:
             args.md.write_text(text)
         return 0
-    sweep.run_all(runs(args.out), dry_run=args.dry_run)
-    if not args.dry_run:  # a settled rank queues the composition at PowerSGD's best rank
-        sweep.run_all(runs(args.out))
-    return 0
+    if args.dry_run:
+        sweep.run_all(runs(args.out), dry_run=True)
+        return 0
+    # the queue read again after every run: the composition joins it (in its seed's place) as
+    # soon as PowerSGD's best rank is settled
+    failed: set[Path] = set()  # each log says why; run again to resume them
+    while todo := [r for r in runs(args.out)
+                   if sweep.finished(r.path) is None and r.path not in failed]:
+        if not sweep.train(todo[0]):
+            failed.add(todo[0].path)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

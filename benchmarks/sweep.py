@@ -123,6 +123,9 @@ def cache(paths: Iterable[Path], dest: Path) -> list[Path]:
     copies = []
     for path in (p for p in paths if finished(p) is not None and not _cached(p, dest)):
         files = [f for f in run_files(path) if f.parent == path]
+        if not files:  # no record of its own: a copy of the cache's, edited since?
+            for f in (f for f in path.iterdir() if f.is_file()):
+                _refuse_different(f, dest / path.name / f.name)
         if not {"config.toml", "metrics.jsonl"} <= {f.name for f in files}:
             raise SystemExit(f"sweep: {path} holds no config.toml and metrics.jsonl of a "
                              "`pufferfish train` run: allowed only runs the queue trained")

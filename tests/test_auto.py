@@ -20,6 +20,7 @@ from pufferfish.auto import (
     saving_cap,
     stable_rank,
     time_kernels,
+    timing,
 )
 from pufferfish.lowrank import LowRankConv2d, LowRankLinear, LowRankLSTM, factorize
 from pufferfish.lowrank.factorize import factorizable_modules
@@ -344,11 +345,11 @@ def test_layers_are_timed_under_the_run_s_autocast_and_factorized_outside_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import pufferfish.switch as switch
 
-    seen: list[tuple[str, bool, torch.dtype]] = []
+    seen: list[tuple[str, object]] = []
 
     def recorder(what: str, result: object):  # the timings, replaced: no bf16 kernel runs
-        def timed(*args: object, **kwargs: object) -> object:
-            seen.append((what, torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        def timed(*args: object, amp_dtype: object = None, **kwargs: object) -> object:
+            seen.append((what, amp_dtype))
             return result
         return timed
 
@@ -360,24 +361,53 @@ def test_layers_are_timed_under_the_run_s_autocast_and_factorized_outside_it(
         recipe = pf.Recipe(warmup_epochs=0, keep="auto", example_input=torch.randn(3, 2, 24),
                            amp_dtype=amp)
         recipe.switch(0, model, None)
-        assert [w for w, *_ in seen] == ["keep", "kernels"]
-        assert all(on == (amp is not None) for _, on, _ in seen), seen
-        if amp is not None:
-            assert all(dtype == amp for *_, dtype in seen), seen
-        # the SVD's factors stay fp32, whatever the timing ran under
+        assert seen == [("keep", amp), ("kernels", amp)]
+        # the SVD's factors stay fp32, whatever the timing runs under
         assert {p.dtype for p in model.parameters()} == {torch.float32}
     with pytest.raises(ValueError, match=r"amp_dtype torch\.float32 is invalid: allowed "
                                          r"torch\.float16, torch\.bfloat16 or None"):
         pf.Recipe(amp_dtype=torch.float32)
 
 
-def test_the_trainers_mixed_precision_is_the_timing_s() -> None:
+class _Scale(nn.Module):
+    """An elementwise layer (no kernel autocast recasts) that records where it ran."""
+
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self.w, self.seen = nn.Parameter(torch.ones(4)), seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(f"forward autocast={torch.is_autocast_enabled('cpu')}")
+        y = x * self.w
+        y.register_hook(lambda g: self.seen.append(
+            f"backward autocast={torch.is_autocast_enabled('cpu')}"))
+        return y
+
+
+def test_each_timed_forward_enters_the_autocast_and_no_backward_runs_under_it() -> None:
+    seen: list[str] = []
+    layer = _Scale(seen)
+    captured = timing.capture_inputs(nn.Sequential(layer), torch.randn(2, 4), [layer],
+                                     amp_dtype=torch.bfloat16)
+    assert seen == ["forward autocast=True"]  # the capture's forward, as the run's
+    seen.clear()
+    timing.time_steps([layer], *captured[id(layer)], repeats=1, warmup=1,
+                      amp_dtype=torch.bfloat16)
+    assert set(seen) == {"forward autocast=True", "backward autocast=False"}
+    seen.clear()
+    timing.time_steps([layer], *captured[id(layer)], repeats=1, warmup=0)
+    assert "forward autocast=True" not in seen
+
+
+def test_the_trainers_mixed_precision_is_the_timing_s(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import TrainingArguments
 
     from pufferfish.integrations import hf, lightning
 
     assert hf.amp_dtype(TrainingArguments("unused", bf16=True, use_cpu=True)) == torch.bfloat16
     assert hf.amp_dtype(TrainingArguments("unused", use_cpu=True)) is None
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # `accelerate launch`'s
+    assert hf.amp_dtype(TrainingArguments("unused", use_cpu=True)) == torch.bfloat16
     assert lightning.amp_dtype("16-mixed") == torch.float16
     assert lightning.amp_dtype("bf16-mixed") == torch.bfloat16
     assert lightning.amp_dtype("bf16-true") is None and lightning.amp_dtype("32-true") is None

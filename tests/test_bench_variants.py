@@ -254,3 +254,16 @@ def test_variants_of_your_model_under_torchrun(tmp_path: Path) -> None:
     assert rows["pufferfish:rank_ratio=0.5"]["params"] == \
         factorization_report(ref, rank_ratio=0.5).params_after > rows["pufferfish"]["params"]
     assert rows["powersgd:rank=1"]["bytes_per_step"] < rows["powersgd"]["bytes_per_step"]
+
+
+def test_train_runs_compress_from_a_start_past_the_timing_warm_up(tmp_path: Path) -> None:
+    """`make demo`'s PowerSGD starts at 10% of its steps (94): --train times no step, so the
+    timing warm-up (3) does not bound it; its runs are trained with it."""
+    kw = dict(methods=["ddp", "powersgd", "pufferfish+powersgd"], powersgd_start_iter=94,
+              out=str(tmp_path / "b"))
+    with pytest.raises(ValueError, match=r"warmup 3 is invalid: allowed >= powersgd_start_iter"):
+        BenchConfig(**kw).validate()
+    cfg = BenchConfig(**kw, train=True)
+    cfg.validate()
+    argv = _train_argv(cfg, "powersgd", tmp_path)
+    assert argv[argv.index("--powersgd-start-iter") + 1] == "94"

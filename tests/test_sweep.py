@@ -224,5 +224,7 @@ def test_a_study_started_again_from_its_cache_resumes(tmp_path: Path) -> None:
     assert sweep.finished(fresh / "a") is not None  # not trained again
     assert sweep.cache([fresh / "a", fresh / "b"], dest) == [dest / "b"]  # a: cached already
     (fresh / "a" / "config.toml").write_text("epochs = 1\n# edited\n")  # not the cached one
-    with pytest.raises(SystemExit, match=r"no config\.toml and metrics\.jsonl"):
+    with pytest.raises(SystemExit, match=r"a/config\.toml is cached already and differs"):
         sweep.cache([fresh / "a"], dest)
+    with pytest.raises(SystemExit, match=r"no config\.toml and metrics\.jsonl"):  # elsewhere
+        sweep.cache([fresh / "a"], tmp_path / "cache2")

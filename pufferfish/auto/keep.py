@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..lowrank.base import low_rank_class_for
@@ -36,6 +37,7 @@ def profile_keep(
     warmup: int = 2,
     extra_bn: bool = False,
     max_params: int | None = None,
+    amp_dtype: torch.dtype | None = None,
 ) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """Time each layer dense vs low-rank on its real input; list those not worth factorizing.
 
@@ -52,7 +54,9 @@ def profile_keep(
     ``from_dense`` replacement at that rank are each timed for forward + backward (in train mode,
     gradients w.r.t. the parameters and w.r.t. the inputs that needed them in the model) on that
     input: ``warmup`` untimed steps, then the median of ``repeats`` timed repeats, the two
-    variants interleaved so that drift on a shared machine hits both. The model is not modified.
+    variants interleaved so that drift on a shared machine hits both. ``amp_dtype``: the run's
+    autocast, each forward under it (the capture's too) as the run trains. The model is not
+    modified.
 
     Decision: keep a layer full-rank iff BOTH
 
@@ -84,9 +88,10 @@ def profile_keep(
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats {repeats!r} is out of range: allowed an integer >= 1")
-    criteria = _Criteria(min_speedup, min_param_share, repeats, warmup, extra_bn)
+    criteria = _Criteria(min_speedup, min_param_share, repeats, warmup, extra_bn, amp_dtype)
     chosen = _ranked_layers(model, ranks)
-    inputs = timing.capture_inputs(model, example_input, [m for m, _ in chosen.values()])
+    inputs = timing.capture_inputs(model, example_input, [m for m, _ in chosen.values()],
+                                   amp_dtype)
     total = count_params(model)
     measurements = {name: _measure(module, value, inputs.get(id(module)), total, criteria)
                     for name, (module, value) in chosen.items()}
@@ -105,6 +110,7 @@ class _Criteria:
     repeats: int
     warmup: int
     extra_bn: bool
+    amp_dtype: torch.dtype | None
 
 
 def _ranked_layers(model: nn.Module, ranks: Mapping[str, int | float]
@@ -158,7 +164,8 @@ def _timed(dense: nn.Module, low: nn.Module, captured: tuple[tuple[Any, ...], di
     """Dense vs low-rank milliseconds per step; a layer with several kernels by its fastest."""
     variants = kernel_variants(low)
     dense_ms, *low_times = timing.time_steps([copy.deepcopy(dense), *variants.values()],
-                                             *captured, criteria.repeats, criteria.warmup)
+                                             *captured, criteria.repeats, criteria.warmup,
+                                             criteria.amp_dtype)
     low_ms = min(low_times)
     timed: dict[str, Any] = {"dense_ms": dense_ms, "lowrank_ms": low_ms,
                              "speedup": dense_ms / low_ms if low_ms > 0 else math.inf}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..lowrank.base import LowRankModule
@@ -13,8 +14,8 @@ from . import timing
 __all__ = ["kernel_variants", "time_kernels"]
 
 
-def time_kernels(model: nn.Module, example_input: Any, repeats: int = 5,
-                 warmup: int = 2) -> dict[str, dict[str, Any]]:
+def time_kernels(model: nn.Module, example_input: Any, repeats: int = 5, warmup: int = 2,
+                 amp_dtype: torch.dtype | None = None) -> dict[str, dict[str, Any]]:
     """Time every low-rank layer of ``model`` that has several kernels, with each kernel.
 
     Why: the kernels of a layer (``LowRankLSTM``'s fused and loop kernels) compute the same
@@ -32,7 +33,8 @@ def time_kernels(model: nn.Module, example_input: Any, repeats: int = 5,
     """
     layers = {name: m for name, m in model.named_modules()
               if isinstance(m, LowRankModule) and len(m.kernel_options()) > 1}
-    inputs = timing.capture_inputs(model, example_input, list(layers.values())) if layers else {}
+    inputs = (timing.capture_inputs(model, example_input, list(layers.values()), amp_dtype)
+              if layers else {})
     found: dict[str, dict[str, Any]] = {}
     for name, module in layers.items():
         captured = inputs.get(id(module))
@@ -40,7 +42,7 @@ def time_kernels(model: nn.Module, example_input: Any, repeats: int = 5,
             continue
         variants = kernel_variants(module)
         times = dict(zip(variants, timing.time_steps(list(variants.values()), *captured, repeats,
-                                               warmup), strict=True))
+                                                     warmup, amp_dtype), strict=True))
         found[name] = {"kernel": min(times, key=times.__getitem__),
                        **{f"{kernel}_ms": ms for kernel, ms in times.items()}}
     return found

@@ -7,6 +7,7 @@ Used by the keep profiler (:mod:`.keep`) and the kernel choice (:mod:`.kernels`)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -18,7 +19,7 @@ from torch import nn
 
 from ..lowrank.counting import call_with_example
 
-__all__ = ["capture_inputs", "input_shapes", "time_steps"]
+__all__ = ["autocast", "capture_inputs", "input_shapes", "time_steps"]
 
 _MIN_REPEAT_S = 1e-3  # each timed repeat runs enough steps to last at least this long
 
@@ -44,13 +45,24 @@ def input_shapes(args: tuple[Any, ...]) -> list[list[int]] | None:
     return shapes or None
 
 
-def capture_inputs(model: nn.Module, example_input: Any, modules: list[nn.Module]
-                    ) -> dict[int, tuple[tuple[Any, ...], dict[str, Any]]]:
+def autocast(device: torch.device, amp_dtype: torch.dtype | None
+             ) -> contextlib.AbstractContextManager:
+    """A forward's autocast as the run's (``amp_dtype`` None: none), entered anew for each
+    forward as a training step does: the weights' casts are paid each time, not cached."""
+    if amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=amp_dtype)
+
+
+def capture_inputs(model: nn.Module, example_input: Any, modules: list[nn.Module],
+                   amp_dtype: torch.dtype | None = None
+                   ) -> dict[int, tuple[tuple[Any, ...], dict[str, Any]]]:
     """id(module) -> the (args, kwargs) of its first call, as detached leaves.
 
     Run with gradients on (so that the tensors that need an input gradient in training are
     known, and so that no-grad fast paths such as the fused Transformer layer do not bypass the
-    submodules) but in eval mode.
+    submodules) but in eval mode; under the run's autocast (``amp_dtype``), so that each layer
+    gets the dtype it trains on.
     """
     captured: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
 
@@ -65,7 +77,8 @@ def capture_inputs(model: nn.Module, example_input: Any, modules: list[nn.Module
     flags = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        with torch.enable_grad():
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        with torch.enable_grad(), autocast(device, amp_dtype):
             call_with_example(model, example_input)
     finally:
         for h in handles:
@@ -76,8 +89,9 @@ def capture_inputs(model: nn.Module, example_input: Any, modules: list[nn.Module
 
 
 def time_steps(layers: list[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any],
-                repeats: int, warmup: int) -> list[float]:
-    """Median milliseconds of one forward + backward step of each layer, timed interleaved."""
+               repeats: int, warmup: int, amp_dtype: torch.dtype | None = None) -> list[float]:
+    """Median milliseconds of one forward + backward step of each layer, timed interleaved;
+    each forward under the run's autocast (``amp_dtype``), each backward outside it."""
     for layer in layers:
         layer.train()
     leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
@@ -89,7 +103,8 @@ def time_steps(layers: list[nn.Module], args: tuple[Any, ...], kwargs: dict[str,
             p.grad = None
         for t in leaves:
             t.grad = None
-        outs = [t for t in _tensors(layer(*args, **kwargs)) if t.requires_grad]
+        with autocast(device, amp_dtype):
+            outs = [t for t in _tensors(layer(*args, **kwargs)) if t.requires_grad]
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 

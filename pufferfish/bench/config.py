@@ -217,7 +217,8 @@ class BenchConfig(SubsetOptions, BatchOptions, ModelOptions):
                 f"powersgd_start_iter {start} is invalid: allowed >= 2 "
                 "(DDP re-buckets after step 1, and PowerSGD's memory must follow)"
             )
-        if len(starts) > 1 and self.warmup < max(starts[1:]):
+        # --train times no step: its runs start compressing at the step given, as `train` does
+        if not self.train and len(starts) > 1 and self.warmup < max(starts[1:]):
             raise ValueError(
                 f"warmup {self.warmup} is invalid: allowed >= powersgd_start_iter "
                 f"({max(starts[1:])}), so that timed PowerSGD steps compress"

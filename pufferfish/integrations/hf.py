@@ -169,7 +169,13 @@ def _find_wrapper(model: nn.Module) -> DistributedDataParallel | None:
 
 
 def amp_dtype(args: Any) -> torch.dtype | None:
-    """The Trainer's autocast dtype from its ``TrainingArguments`` (``bf16``, ``fp16``)."""
+    """The Trainer's autocast dtype from its ``TrainingArguments``: ``mixed_precision`` (which
+    transformers also reads from ``ACCELERATE_MIXED_PRECISION``, ``accelerate launch``'s), else
+    the ``bf16`` and ``fp16`` flags."""
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    mixed = getattr(args, "mixed_precision", None)
+    if mixed in dtypes:
+        return dtypes[mixed]
     if getattr(args, "bf16", False):
         return torch.bfloat16
     return torch.float16 if getattr(args, "fp16", False) else None

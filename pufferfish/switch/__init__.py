@@ -22,7 +22,6 @@ data-dependent decision is rank 0's, broadcast, so replicas cannot diverge.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import warnings
 from collections.abc import Iterable
@@ -208,7 +207,7 @@ class FactorizationPlan:
         self.extra_bn = extra_bn
         self.example_input = example_input
         self.kernel = kernel  # "auto": timed at the switch; a name: that kernel, reproducibly
-        self.amp_dtype = amp_dtype  # the run's autocast dtype: layers are timed under it
+        self.amp_dtype = amp_dtype  # the run's autocast: each timed forward runs under it
         self.report: FactorizationReport | None = None
         self.decisions: dict[str, Any] = {}  # what the automatic choices measured and chose
         self.ranks: dict[str, int] = {}  # factorized module -> rank
@@ -260,9 +259,8 @@ class FactorizationPlan:
                  if not any(fnmatch.fnmatchcase(n, p) for p in static)}
         budget = (budget_params(model, self.max_rank_ratio, keep=static)
                   if self.rank_ratio == "auto" and self.max_rank_ratio is not None else None)
-        with self._as_trained(model):
-            keep, measured = profile_keep(model, self.example_input, ranks,
-                                          extra_bn=self.extra_bn, max_params=budget)
+        keep, measured = profile_keep(model, self.example_input, ranks, extra_bn=self.extra_bn,
+                                      max_params=budget, amp_dtype=self.amp_dtype)
         keep = broadcast_object(keep)  # timings differ across ranks: rank 0 decides for all
         self.decisions["keep_auto"] = {"keep": keep, "measurements": broadcast_object(measured)}
         return keep
@@ -302,22 +300,12 @@ class FactorizationPlan:
     def _choose_kernels(self, model: nn.Module) -> None:
         """Same function, device- and size-dependent cost: run each layer's fastest kernel (rank
         0's timing, so that every replica runs the same one)."""
-        with self._as_trained(model):
-            timed = time_kernels(model, self.example_input)
-        kernels = broadcast_object(timed)
+        kernels = broadcast_object(time_kernels(model, self.example_input,
+                                                amp_dtype=self.amp_dtype))
         for name, k in kernels.items():
             model.get_submodule(name).use_kernel(k["kernel"])
         if kernels:
             self.decisions["kernels"] = kernels
-
-    def _as_trained(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """Where layers are timed: under the run's autocast (``amp_dtype``) on the model's
-        device, as they will train; a half-precision matmul on a GPU's tensor cores can rank
-        dense against low rank differently from fp32 (the factors' SVD stays outside it)."""
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        return torch.autocast(device.type, dtype=self.amp_dtype)
 
     def _fix_kernels(self, model: nn.Module) -> None:
         """``kernel`` given: every layer that has it runs it. Timing can pick differently from
