@@ -162,21 +162,21 @@ def test_results_md_names_the_device_and_on_a_gpu_what_compress_leaves_out(
 
 def test_pick_device() -> None:
     cpu = torch.device("cpu")
-    assert pick_device("auto", 1, 2, cuda_count=0) == cpu
-    assert pick_device("cpu", 1, 2, cuda_count=8) == cpu
-    assert pick_device("auto", 1, 2, cuda_count=2) == torch.device("cuda", 1)
+    assert pick_device("auto", 1, cuda_count=0) == cpu
+    assert pick_device("cpu", 1, cuda_count=8) == cpu
+    assert pick_device("auto", 1, cuda_count=2) == torch.device("cuda", 1)
     # Two local ranks that see one GPU: the same index (shared, or each bound to its own by the
     # scheduler: the job's backend tells them apart, tests/test_job_backend.py).
-    assert pick_device("auto", 1, 2, cuda_count=1) == torch.device("cuda", 0)
-    assert pick_device("auto", 3, 4, cuda_count=2) == torch.device("cuda", 1)
-    assert pick_device("auto", 3, 4, cuda_count=8) == torch.device("cuda", 3)
+    assert pick_device("auto", 1, cuda_count=1) == torch.device("cuda", 0)
+    assert pick_device("auto", 3, cuda_count=2) == torch.device("cuda", 1)
+    assert pick_device("auto", 3, cuda_count=8) == torch.device("cuda", 3)
     with pytest.raises(ValueError, match="--device 'cuda' is invalid here"):
-        pick_device("cuda", 0, 2, cuda_count=0)
+        pick_device("cuda", 0, cuda_count=0)
     with pytest.raises(ValueError, match="--device 'tpu' is invalid: allowed auto, cpu, cuda"):
-        pick_device("tpu", 0, 2, cuda_count=0)
+        pick_device("tpu", 0, cuda_count=0)
     # This machine's own choice, as the workers make it:
     want = "cuda" if torch.cuda.is_available() else "cpu"
-    assert pick_device("auto", 0, 1, torch.cuda.device_count()).type == want
+    assert pick_device("auto", 0, torch.cuda.device_count()).type == want
 
 
 def test_amp_for_builds_autocast_and_the_scaler_without_running_kernels() -> None:

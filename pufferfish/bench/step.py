@@ -487,9 +487,8 @@ def rank_device(requested: str, cpu_only: bool) -> torch.device:
     ``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE``: the bench's own workers are the processes of this
     machine, as under torchrun); ``cpu_only``: the CPU (FSDP2 methods are timed on the CPU).
     The GPU is made the current device."""
-    local, local_world = local_ranks()
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device = pick_device("cpu" if cpu_only else requested, local, local_world, count)
+    device = pick_device("cpu" if cpu_only else requested, local_ranks()[0], count)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device

@@ -62,9 +62,8 @@ def idle_cpus() -> int:
     return max(1, min(torch.get_num_threads(), (cpus or 1) - busy))
 
 
-def pick_device(requested: str, local_rank: int, local_world: int,
-                cuda_count: int) -> torch.device:
-    """The device of one process of a machine running ``local_world`` of them: ``auto`` is CUDA
+def pick_device(requested: str, local_rank: int, cuda_count: int) -> torch.device:
+    """The device of one process of a machine: ``auto`` is CUDA
     when there is a GPU (local rank ``r`` on GPU ``r mod cuda_count``), else the CPU (the
     backend is the job's answer: :func:`join_group`). ``ValueError`` (one line) for ``cuda``
     without a GPU or a device outside ``auto``, ``cpu``, ``cuda``."""
@@ -95,9 +94,9 @@ def setup(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    local_rank, local_world = local_ranks()
+    local_rank = local_ranks()[0]
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device = pick_device("auto", local_rank, local_world, count)
+    device = pick_device("auto", local_rank, count)
     if backend == "nccl" and not count:
         raise ValueError("backend 'nccl' needs CUDA, which is not available here: use gloo or auto")
     if device.type == "cuda":
@@ -462,7 +461,7 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     it, for a user's loop that never made it the current device), else the CPU."""
     if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
         if "LOCAL_RANK" in os.environ:
-            return pick_device("cuda", *local_ranks(), torch.cuda.device_count())
+            return pick_device("cuda", local_ranks()[0], torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
