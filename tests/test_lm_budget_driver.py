@@ -231,7 +231,15 @@ def test_links_time_to_target_is_steps_to_it_times_each_phases_step(tmp_path: Pa
     ddp = next(x for x in table.splitlines() if x.startswith("| ddp"))
     assert "| 288 |" in ddp, ddp  # 30 -> 20 over steps 200-300: 21 is log(30/21) / log(30/20) = 0.88 in
     assert "not reached" in next(x for x in table.splitlines() if x.startswith("| powersgd"))
-    assert table.endswith("First to the target: 10mbit pufferfish+diloco.")
+    assert table.endswith("10mbit: pufferfish+diloco, its worst round ahead of "
+                          "pufferfish+powersgd's best."), table
+    rows[2]["spread"]["step_time"] = [0.25, 2.0]  # its worst round: 30 x 0.5 + 120 x 2.0 = 255 s
+    (bench / "results.json").write_text(json.dumps({"config": config, "rows": rows}))
+    found = lm_links.results(tmp_path)
+    assert lm_links.verdict(found, "10mbit") == ("pufferfish+diloco", "pufferfish+powersgd", False)
+    assert lm_links.table(tmp_path).endswith(
+        "10mbit: pufferfish+diloco by medians, a tie with pufferfish+powersgd (the rounds overlap).")
+    rows[2]["spread"]["step_time"] = [0.25, 0.25]
     (bench / "results.json").write_text(json.dumps({"config": {**config, "powersgd_rank": 4},
                                                     "rows": rows}))
     assert "the bench measured powersgd_rank 4" in lm_links.table(tmp_path)

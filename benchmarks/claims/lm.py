@@ -213,32 +213,6 @@ def _width_note(out: Path) -> str:
     return f"the width-{lm_width.WIDE:g} study: {found['text']}"
 
 
-def _round_times(row: dict, links_rows: dict[str, dict], link: str) -> tuple[float, float] | None:
-    """A links row's time to the target over ``link`` in the bench's best and worst rounds
-    (lm_links.seconds_to: each phase of its steps at its method's step time)."""
-    import lm_links
-
-    t = lm_links.seconds_to(row, lm_links.link_times(list(links_rows.values()), link))
-    return None if t is None else (t.low, t.high)
-
-
-def _links_verdict(found: dict, link: str) -> tuple[str | None, str | None, bool]:
-    """The method first by medians over ``link``, its nearest rival (the other method with the
-    fastest best round), and whether its worst round beats every other method's best (the
-    README's rule for times); else the two are within the rounds' spread, a tie."""
-    import lm_links
-
-    rows = {r["method"]: r for r in found["rows"] if r["run"] is not None}
-    first = lm_links.first(found, link)
-    if first is None:
-        return None, None, False
-    worst = _round_times(rows[first], rows, link)[1]
-    others = {m: t[0] for m, r in rows.items() if m != first
-              and (t := _round_times(r, rows, link)) is not None}
-    rival = min(others, key=others.__getitem__) if others else None
-    return first, rival, all(worst < best for best in others.values())
-
-
 def budget_links_claim(cache: Path) -> dict:
     """The budget study's recipe over emulated links (benchmarks/lm_links.py): the method first to
     DDP's final validation perplexity + 5% over 100 and 10 Mbit/s among six, judged by rounds."""
@@ -268,14 +242,14 @@ def budget_links_claim(cache: Path) -> dict:
                  for m, r in runs.items()}
         methods = {f"{r['method']}: s to target @ {link}": stats({0: r["seconds_to_target"][link]})
                    for r in found["rows"] for link in found["links"]}
-        verdicts = {link: _links_verdict(found, link) for link in slow}
+        verdicts = {link: lm_links.verdict(found, link) for link in slow}
         met = all(first in lm_links.FULL_PHASE and apart for first, _, apart in verdicts.values())
         never = [label[m] for m, r in runs.items()
                  if all(v is None for v in r["seconds_to_target"].values())]
         cells = []
         for link, (first, rival, apart) in verdicts.items():
-            t = _round_times(runs[first], runs, link)
-            near = _round_times(runs[rival], runs, link) if rival else None
+            t = lm_links.round_times(runs[first], found["rows"], link)
+            near = lm_links.round_times(runs[rival], found["rows"], link) if rival else None
             cells.append(f"{LINKS[link]}: first {label[first]}, {t[0]:,.0f}–{t[1]:,.0f} s over the "
                          "bench's rounds" + (f" against {label[rival]}'s {near[0]:,.0f}–"
                                              f"{near[1]:,.0f} s" if near else "")
