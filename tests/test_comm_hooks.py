@@ -254,6 +254,34 @@ def _nonfinite_step(name: str, rank: int) -> dict[str, Any]:
     return {"finite": finite, "replica_gap": _replica_gap(model), "memory_finite": memory_finite}
 
 
+class _Tempered(nn.Module):
+    """The MLP's output times a learned 0-d temperature (as CLIP's logit scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _mlp()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x) * self.scale
+
+
+def _scalar_parameter(name: str, rank: int) -> dict[str, Any]:
+    """Backward passes past PowerSGD's start on a model with a 0-d parameter (no optimizer step,
+    so both see the same weights): the 0-d gradient beside plain DDP's, and the replicas."""
+    plain, hooked = DDP(_Tempered()), DDP(_Tempered())
+    register_comm_hook(hooked, name, **OPTIONS[name])
+    for step in range(STEPS):
+        for ddp in (plain, hooked):
+            ddp.zero_grad()
+            _loss(ddp, step, rank).backward()
+    grads = [m.module.scale.grad.reshape(1) for m in (plain, hooked)]
+    gathered = [torch.empty(1) for _ in range(WORLD)]
+    dist.all_gather(gathered, grads[1])
+    return {"plain": grads[0].item(), "hooked": grads[1].item(),
+            "ranks_agree": all(g.item() == gathered[0].item() for g in gathered)}
+
+
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -278,6 +306,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
                                  for name in ("powersgd", "signum", "topk")},
             "nonfinite": {name: _nonfinite_step(name, rank)
                           for name in ("powersgd", "topk", "signum")},
+            "scalar": {name: _scalar_parameter(name, rank) for name in ("allreduce", "powersgd")},
         }
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         finished = True
@@ -409,6 +438,16 @@ def test_a_skipped_nonfinite_step_does_not_poison_the_memory(runs, name):
         assert finite[bad + 1:] == [True] * (len(finite) - bad - 1), finite
         assert rank["nonfinite"][name]["replica_gap"] == 0.0
         assert rank["nonfinite"][name]["memory_finite"]
+
+
+@pytest.mark.parametrize("name", ["allreduce", "powersgd"])
+def test_a_scalar_parameter_is_all_reduced_plainly(runs, name):
+    """A 0-d parameter (a learned temperature) crashed torch's PowerSGD hook once it compressed;
+    now it joins the plain all-reduce: the same gradient as plain DDP's, on every rank."""
+    for r in runs:
+        got = r["scalar"][name]
+        assert got["ranks_agree"]
+        assert got["hooked"] == pytest.approx(got["plain"], rel=1e-5, abs=1e-7)
 
 
 def test_signum_momentum_forgets_a_nonfinite_gradient(runs):

@@ -108,8 +108,8 @@ class PowerSGDHookState(CommHookState):
     objects so that ``torch.load(weights_only=True)`` works.
 
     ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.batched_powerSGD_hook``
-    is not offered: it crashes on CPU in recent torch. 0-d (scalar) parameters are not
-    supported by torch's hook.
+    is not offered: it crashes on CPU in recent torch. 0-d (scalar) parameters, which torch's
+    hook cannot view as matrices, go to its plain all-reduce (:class:`_ScalarsAsVectors`).
     """
 
     def __init__(
@@ -313,7 +313,8 @@ def powersgd_hook(
     t_compress = time.perf_counter()
     if compressing and (ps.use_error_feedback or ps.warm_start):
         state._prepare_bucket(bucket)
-    fut = forget_if_nonfinite(state, bucket.index(), _torch_powersgd.powerSGD_hook(ps, bucket))
+    fut = forget_if_nonfinite(state, bucket.index(),
+                              _torch_powersgd.powerSGD_hook(ps, _ScalarsAsVectors(bucket)))
     if compressing:
         stats.add_compress_time(time.perf_counter() - t_compress)
         if dist.get_backend(group) != dist.Backend.NCCL:
@@ -325,6 +326,23 @@ def powersgd_hook(
             # the callbacks run in launch order and torch's asynchrony is kept.
             fut.wait()
     return with_hook_time(stats, fut, t_start)
+
+
+class _ScalarsAsVectors:
+    """A DDP bucket whose 0-d gradients read as 1-element vectors, views of the same memory.
+    Torch's hook views every gradient as ``shape[0] x rest``, which a scalar parameter (CLIP's
+    logit scale, a learned temperature) lacks: an ``IndexError`` at its first compressed step. As
+    a 1 x 1 matrix it is never compressed: it joins the plain all-reduce, as
+    :func:`powersgd_payload_numel` counts it."""
+
+    def __init__(self, bucket: dist.GradBucket) -> None:
+        self._bucket = bucket
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [g.view(1) if g.dim() == 0 else g for g in self._bucket.gradients()]
+
+    def __getattr__(self, name: str) -> Any:  # buffer, index, is_last, ...: the bucket's own
+        return getattr(self._bucket, name)
 
 
 register_hook_family(
