@@ -74,6 +74,71 @@ WORKLOADS = textwrap.dedent('''
         return w
 
 
+    class Tempered(nn.Module):
+        """Logits times a learned 0-d temperature, and a second head the loss never reads."""
+
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
+            self.head, self.aux = nn.Linear(256, 10), nn.Linear(256, 10)
+            self.scale = nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, x):
+            h = self.body(x)
+            return {"logits": self.head(h) * self.scale, "aux": self.aux(h)}
+
+
+    def unused():
+        return Workload(model=Tempered(), loss=lambda o, t: F.cross_entropy(o["logits"], t),
+                        make_batch=lambda b: (torch.randn(b, 64), torch.randint(10, (b,))))
+
+
+    def tempered():
+        w = unused()
+        w.find_unused_parameters = True
+        return w
+
+
+    def weight_normed():
+        w = make()
+        w.model[2] = torch.nn.utils.weight_norm(nn.Linear(256, 256))
+        return w
+
+
+    def whole_ratio():
+        w = make()
+        w.rank_ratio = 1  # an int: the whole rank, not rank 1
+        return w
+
+
+    def text_ratio():
+        w = make()
+        w.rank_ratio = "0.5"
+        return w
+
+
+    class Recurrent(nn.Module):
+        def __init__(self, packed=False):
+            super().__init__()
+            self.rnn, self.head, self.packed = nn.LSTM(16, 64, batch_first=True), nn.Linear(64, 10), packed
+
+        def forward(self, x):
+            self.rnn.flatten_parameters()  # as cuDNN users write it
+            if self.packed:
+                x = nn.utils.rnn.pack_padded_sequence(x, [x.shape[1]] * len(x), batch_first=True)
+            _, (h, _) = self.rnn(x)
+            return self.head(h[-1])
+
+
+    def recurrent(packed=False):
+        return Workload(model=Recurrent(packed), loss=F.cross_entropy,
+                        make_batch=lambda b: (torch.randn(b, 5, 16), torch.randint(10, (b,))))
+
+
+    def packed():
+        return recurrent(packed=True)
+
+
     NOT_CALLABLE = 3
 ''')
 
@@ -119,6 +184,14 @@ def _bench_error(args: list[str], out: Path, capsys: pytest.CaptureFixture[str])
     ("no_such_package.models:make", "cannot import 'no_such_package.models'"),
     ("hf:{dir}/config.json", "no file '{dir}/config.json'"),
     ("resnet50", "model 'resnet50' is invalid for the benchmark"),
+    ("{path}:unused", "2 trainable parameter(s) get no gradient from the loss (aux.weight, "
+                      "aux.bias), which stops DDP at its second step: allowed "
+                      "Workload(find_unused_parameters=True)"),
+    ("{path}:weight_normed", "copying the model raised RuntimeError"),
+    ("{path}:whole_ratio", "Pufferfish has nothing to factorize in Sequential"),
+    ("{path}:text_ratio", "Workload.rank_ratio '0.5' is invalid: allowed a number in (0, 1]"),
+    ("{path}:packed", "a step on make_batch(2) on the factorized model (rank ratio 0.25) raised "
+                      "TypeError: LowRankLSTM does not accept PackedSequence input"),
 ])
 def test_bad_reference_is_one_line(ref: str, needle: str, workloads: Path, tmp_path: Path,
                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -224,18 +297,30 @@ def _check_measured(result: dict[str, Any], methods: list[str], processes: int) 
     assert puff["bytes_per_step"] == 4 * puff["params"] and puff["params"] < puff["params_full"]
 
 
+def test_checked_models_that_train(workloads: Path) -> None:
+    """What the check lets through: an LSTM calling ``flatten_parameters`` (factorized too), a
+    model whose unused head the workload declares."""
+    from pufferfish.bench.usermodel import check_workload
+
+    check_workload(f"{workloads}:recurrent", 64, factorized=True, rank_ratios=(None, 0.5))
+    check_workload(f"{workloads}:tempered", 64, factorized=True)
+
+
 def test_own_model_under_torchrun(workloads: Path, tmp_path: Path) -> None:
+    """A model with a 0-d temperature (all-reduced plainly by PowerSGD) and a head the loss never
+    reads (DDP told so by the workload), through every method's steps."""
     out = tmp_path / "bench"
     methods = ["ddp", "pufferfish", "powersgd"]
-    run = run_cli("bench", "--model", f"{workloads}:make", "--methods", ",".join(methods),
+    run = run_cli("bench", "--model", f"{workloads}:tempered", "--methods", ",".join(methods),
                   "--rounds", "2", *STEPS, "--out", str(out), torchrun=2, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "parameters: 85,002 -> 39,208" in run.stdout  # the factorization's report
+    report = factorization_report(f"{workloads}:tempered")
+    assert f"parameters: {report.params_before:,} -> {report.params_after:,}" in run.stdout
     assert run.stdout.count("link probe over 2 processes") == 1  # rank 0 says it, once
     result = _results(out)
     _check_measured(result, methods, 2)
     assert {r["round"] for r in result["rounds"]} == {0, 1}
-    assert result["rows"][1]["params"] == factorization_report(f"{workloads}:make").params_after
+    assert result["rows"][1]["params"] == report.params_after
     assert (out / "results.md").exists() and (out / "step_time.png").exists()
     # reused outside torchrun: the same rows, the link and its probe as measured
     assert main(["bench", "--from-results", str(out), "--out", str(tmp_path / "again")]) == 0
@@ -255,10 +340,13 @@ def test_hf_config_under_torchrun(tmp_path: Path) -> None:
     methods = ["ddp", "pufferfish", "diloco"]
     run = run_cli("bench", "--model", f"hf:{config}", "--methods", ",".join(methods),
                   "--rounds", "1", "--seq-len", "16", *STEPS, "--batch-size", "4",
-                  "--out", str(out), torchrun=2, cwd=tmp_path)
+                  "--threads", "2", "--out", str(out), torchrun=2, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "model.layers.1.mlp.down_proj" in run.stdout  # the report: LLaMA's preset applied
-    _check_measured(_results(out), methods, 2)
+    result = _results(out)
+    _check_measured(result, methods, 2)
+    # --threads reached each process (torchrun's OMP_NUM_THREADS=1 had kept them at 1)
+    assert {r["threads"] for r in result["rows"]} == {2}
 
 
 needs_netns = pytest.mark.skipif(netns_available() is not None,

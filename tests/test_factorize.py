@@ -77,6 +77,13 @@ def test_full_rank_factorization_preserves_function() -> None:
     torch.testing.assert_close(model(x), expected)
 
 
+def test_a_rank_ratio_written_as_an_int_is_still_a_ratio() -> None:
+    """``rank_ratio=1`` is the whole rank (nothing saved), not an absolute rank of 1."""
+    model = small_cnn()
+    with pytest.warns(UserWarning, match="changed nothing"):
+        assert pf.factorize(model, rank_ratio=1).factorized == []
+
+
 def test_shared_module_is_replaced_everywhere() -> None:
     shared = nn.Linear(32, 32)
     model = nn.Sequential(shared, nn.ReLU(), nn.Sequential(shared), nn.Linear(32, 4))

@@ -14,6 +14,7 @@ from .config import (
 )
 from .launched import torchrun_links, under_torchrun
 from .methods import BENCH_METHODS, FSDP_VERSIONS, HOOK_OPTIONS
+from .usermodel import is_user_model
 from .workload import image_models, lm_models
 
 __all__ = ["add_arguments", "config_from_args"]
@@ -85,10 +86,10 @@ def _measurement_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
     ap.add_argument("--data-dir", default=d.data_dir, help="Fashion-MNIST directory")
     ap.add_argument("--alpha-us", type=float, default=d.alpha * 1e6,
                     help="per-message latency of the projection model, microseconds")
-    ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction,
-                    default=d.channels_last,
-                    help="conv weights in NHWC memory order (the training default; "
-                         "--no-channels-last: NCHW)")
+    ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                    help="conv weights in NHWC memory order (default: on for the built-in "
+                         "models, as `pufferfish train` stores them; off for your own --model "
+                         "PATH.py:FUNC, timed in the layout you built it in)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
                     help="torch.compile every method's model (compiled in the warm-up steps)")
     ap.add_argument("--amp", default=d.amp,
@@ -173,7 +174,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         **{option.key: getattr(args, option.key) for option in HOOK_OPTIONS},
         threads=args.threads,
         data_dir=args.data_dir, alpha=args.alpha_us * 1e-6, probe=args.probe,
-        channels_last=args.channels_last, compile=args.compile, amp=args.amp,
+        channels_last=(not is_user_model(args.model) if args.channels_last is None
+                       else args.channels_last), compile=args.compile, amp=args.amp,
         bucket_mb=args.bucket_mb,
         timeout=args.timeout, out=args.out, overwrite=args.overwrite, train=args.train,
         epochs=args.epochs,

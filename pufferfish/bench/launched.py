@@ -86,6 +86,8 @@ def measure_in_group(methods: Sequence[str], rounds: int, step_flags: Sequence[s
     that a method is measured exactly as in the bench's own worker groups. Every rank returns
     ``{"links", "order", "rounds", "skipped", "failures"}``; only rank 0's records are filled."""
     args = _parser().parse_args(list(step_flags))
+    if args.threads > 0:  # cores // LOCAL_WORLD_SIZE (torchrun itself sets OMP_NUM_THREADS=1)
+        torch.set_num_threads(args.threads)
     device = join(args.device, any(base_of(m) in FSDP_METHODS for m in methods), GROUP_TIMEOUT_S)
     finished = False
     try:

@@ -29,10 +29,12 @@ from ..lowrank.presets import presets_of
 from ..lowrank.report import FactorizationReport
 from ..models.spec import import_reference, spec_of_reference
 
-__all__ = ["LOSS_ATTR", "Workload", "build_user_model", "call_model", "check_workload",
-           "factorization_report", "is_user_model", "load_workload", "user_batches"]
+__all__ = ["FIND_UNUSED_ATTR", "LOSS_ATTR", "Workload", "build_user_model", "call_model",
+           "check_workload", "factorization_report", "is_user_model", "load_workload",
+           "user_batches"]
 
 LOSS_ATTR = "_pufferfish_bench_loss"  # the workload's loss, carried by its model (and copies)
+FIND_UNUSED_ATTR = "_pufferfish_bench_find_unused"  # Workload.find_unused_parameters, likewise
 _HF = "hf:"
 _FORMS = "PATH.py:FUNC, package.module:FUNC or hf:CONFIG.json"
 
@@ -44,7 +46,10 @@ class Workload:
     of positional arguments or a dict of keyword arguments) with ``loss(outputs, targets)``, a
     scalar tensor. Pufferfish factorizes ``model`` at ``rank_ratio`` (unless the bench's
     ``--rank-ratio`` or a method's ``rank_ratio=`` setting says otherwise), keeping the modules
-    whose qualified names match ``keep`` (glob patterns) or the model's ``preset`` full rank."""
+    whose qualified names match ``keep`` (glob patterns) or the model's ``preset`` full rank.
+    ``find_unused_parameters``: some trainable parameters may get no gradient in a step (a head the
+    loss ignores, a mixture of experts' idle experts); DDP then looks for them after every
+    backward, as your own ``DDP(find_unused_parameters=True)`` does."""
 
     model: nn.Module
     make_batch: Callable[[int], tuple[Any, Any]]
@@ -53,6 +58,7 @@ class Workload:
     preset: str | None = None
     rank_ratio: float = 0.25
     optimizer: str = "adamw"  # every method's optimizer: adamw or sgd (momentum 0.9)
+    find_unused_parameters: bool = False
 
 
 def is_user_model(ref: str) -> bool:
@@ -114,9 +120,11 @@ def _checked(ref: str, name: str, workload: Any) -> Workload:
     if workload.optimizer not in ("adamw", "sgd"):
         raise ValueError(f"--model {ref!r}: Workload.optimizer {workload.optimizer!r} is "
                          "invalid: allowed adamw, sgd")
-    if not 0 < workload.rank_ratio <= 1:
-        raise ValueError(f"--model {ref!r}: Workload.rank_ratio {workload.rank_ratio!r} is "
-                         "invalid: allowed in (0, 1]")
+    ratio = workload.rank_ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
+        raise ValueError(f"--model {ref!r}: Workload.rank_ratio {ratio!r} is invalid: allowed a "
+                         "number in (0, 1]")
+    workload.rank_ratio = float(ratio)  # 1 is the whole rank, not an absolute rank of 1
     return workload
 
 
@@ -153,25 +161,60 @@ def _hf_workload(ref: str, config_path: str, seq_len: int) -> Workload:
 
 def check_workload(ref: str, seq_len: int, factorized: bool,
                    rank_ratios: Sequence[float | None] = (None,)) -> None:
-    """Before any process starts: ``ref`` loads, one step of batch 2 (``make_batch``, the model,
-    ``loss``) gives a scalar, and, if a method is ``factorized``, Pufferfish finds layers to
-    factorize at each of ``rank_ratios`` (None: the workload's own). ``ValueError`` in one line
-    naming what failed."""
+    """Before any process starts: ``ref`` loads and one step of batch 2 (``make_batch``, the
+    model, ``loss`` a scalar, backward) runs on the model and, if a method is ``factorized``, on
+    Pufferfish's factorization of it at each of ``rank_ratios`` (None: the workload's own).
+    ``ValueError`` in one line naming what failed."""
     workload = load_workload(ref, seq_len)
-    model = copy.deepcopy(workload.model)
+    _check_step(ref, workload, _copy(ref, workload.model), "")
+    if factorized:
+        for ratio in dict.fromkeys(rank_ratios):
+            model = _copy(ref, workload.model)
+            _factorize(ref, workload, model, ratio)
+            said = workload.rank_ratio if ratio is None else ratio
+            _check_step(ref, workload, model, f" on the factorized model (rank ratio {said:g})")
+
+
+def _check_step(ref: str, workload: Workload, model: nn.Module, what: str) -> None:
+    """One training step's forward, loss and backward on ``make_batch(2)``; every trainable
+    parameter must get a gradient unless ``workload.find_unused_parameters`` (else DDP stops at
+    its second step, in every worker)."""
+    def said(e: Exception) -> str:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
     try:
         inputs, targets = workload.make_batch(2)
         value = workload.loss(call_model(model, inputs), targets)
     except Exception as e:  # the user's code: said in one line
-        raise ValueError(f"--model {ref!r}: a step on make_batch(2) raised {type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise ValueError(f"--model {ref!r}: a step on make_batch(2){what} raised {said(e)}") from None
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        raise ValueError(f"--model {ref!r}: loss(outputs, targets) returned "
+        raise ValueError(f"--model {ref!r}: loss(outputs, targets){what} returned "
                          f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))}, "
                          "allowed a scalar tensor")
-    if factorized:
-        for ratio in dict.fromkeys(rank_ratios):
-            factorization_report(ref, seq_len, ratio)
+    try:
+        if value.requires_grad:  # else no parameter reaches it: each is named below
+            value.backward()
+    except Exception as e:
+        raise ValueError(f"--model {ref!r}: backward of loss(outputs, targets){what} raised "
+                         f"{said(e)}") from None
+    unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    if unused and not workload.find_unused_parameters:
+        raise ValueError(
+            f"--model {ref!r}: {len(unused)} trainable parameter(s) get no gradient from the "
+            f"loss{what} ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}), which "
+            "stops DDP at its second step: allowed Workload(find_unused_parameters=True), as "
+            "your own DDP needs, or those parameters frozen (requires_grad_(False))")
+
+
+def _copy(ref: str, model: nn.Module) -> nn.Module:
+    """A deep copy of the workload's model (one per method), or a one-line ``ValueError``."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as e:  # torch.nn.utils.weight_norm's computed weight, an open file, a lock
+        raise ValueError(
+            f"--model {ref!r}: copying the model raised {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''} (the bench trains a copy per method; "
+            "torch.nn.utils.weight_norm: use torch.nn.utils.parametrizations.weight_norm)") from None
 
 
 def build_user_model(ref: str, seq_len: int, factorized: bool,
@@ -180,11 +223,12 @@ def build_user_model(ref: str, seq_len: int, factorized: bool,
     ``factorized``, at ``rank_ratio`` or the workload's own) carrying its loss, and its full-rank
     parameter count."""
     workload = load_workload(ref, seq_len)
-    model = copy.deepcopy(workload.model)
+    model = _copy(ref, workload.model)
     full = sum(p.numel() for p in model.parameters())
     if factorized:
         _factorize(ref, workload, model, rank_ratio)
     setattr(model, LOSS_ATTR, workload.loss)
+    setattr(model, FIND_UNUSED_ATTR, workload.find_unused_parameters)
     return model, full
 
 
@@ -193,7 +237,7 @@ def factorization_report(ref: str, seq_len: int = 64,
     """What Pufferfish makes of the workload's model (on a copy) at ``rank_ratio`` (None: the
     workload's own); ``ValueError`` if nothing."""
     workload = load_workload(ref, seq_len)
-    return _factorize(ref, workload, copy.deepcopy(workload.model), rank_ratio)
+    return _factorize(ref, workload, _copy(ref, workload.model), rank_ratio)
 
 
 def _factorize(ref: str, workload: Workload, model: nn.Module,

@@ -116,7 +116,8 @@ def factorize(
     order = candidates if example_input is None else _forward_order(model, candidates,
                                                                      example_input)
     plan = _Plan(keep=keep, include=include, overrides=overrides,
-                 default=rank if rank is not None else rank_ratio, keep_first=keep_first,
+                 # a ratio even when written as an int (rank_ratio=1): an int is an absolute rank
+                 default=rank if rank is not None else float(rank_ratio), keep_first=keep_first,
                  hybrid={id(m) for m in order[:keep_first]}, tied=_tied_parameters(model),
                  options={"extra_bn": extra_bn}, materialize=materialize)
     params_before = count_params(model)

@@ -116,7 +116,8 @@ class LowRankLSTM(LowRankModule):
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """``nn.LSTM.forward``: ``(output, (h_n, c_n))`` for batched or unbatched ``input``."""
         if isinstance(input, PackedSequence):
-            raise TypeError("LowRankLSTM does not accept PackedSequence input; pass a padded tensor")
+            raise TypeError("LowRankLSTM does not accept PackedSequence input: allowed a padded "
+                            "tensor, or the layer kept full rank (keep=[its name])")
         batched = input.dim() == 3
         if not batched:
             input = input.unsqueeze(1)
@@ -152,6 +153,10 @@ class LowRankLSTM(LowRankModule):
         if name.startswith("weight_") and name[7:] in self._suffixes():
             return super().__getattr__(f"u_{name[7:]}") @ super().__getattr__(f"v_{name[7:]}")
         return super().__getattr__(name)
+
+    def flatten_parameters(self) -> None:
+        """``nn.LSTM.flatten_parameters``, which models call in ``forward`` for cuDNN: nothing to
+        do, the factors are parameters of their own with no flat cuDNN buffer."""
 
     def _suffixes(self) -> list[str]:
         return [suffix for suffix, _, _ in _matrices(self.input_size, self.hidden_size,

@@ -50,9 +50,20 @@ def to_channels_last(model: nn.Module) -> list[str]:
     and get their input in NCHW. Returns those convolutions' qualified names.
 
     Safe to call again (after a pruning cut or a low-rank swap changed the layers): each call
-    looks at the layers as they are, and registers the input hook at most once per layer.
+    looks at the layers as they are, and registers the input hook at most once per layer. Other
+    tensors keep their layout: ``Module.to(memory_format=)`` would refuse a model with any 5-D
+    weight (a ``Conv3d``), which has no 2-D channels-last.
     """
-    model.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        for module in model.modules():
+            for name, tensor in [*module.named_parameters(recurse=False),
+                                 *module.named_buffers(recurse=False)]:
+                if tensor.dim() == 4:
+                    nhwc = tensor.to(memory_format=torch.channels_last)  # as Module.to restrides
+                    if isinstance(tensor, nn.Parameter):
+                        tensor.data = nhwc  # the same Parameter object, as Module.to keeps it
+                    else:
+                        setattr(module, name, nhwc)
     kept = []
     for name, module in model.named_modules():
         if not onednn_nhwc_hazard(module):

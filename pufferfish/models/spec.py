@@ -151,8 +151,12 @@ def spec_of_reference(ref: str) -> ModelSpec | None:
 
 def import_reference(ref: str, where: str) -> Any:
     """The module of ``PATH.py`` (loaded from the file once per process) or of ``package.module``
-    (imported), for the ``--model`` reference ``ref``; ``ValueError`` in one line."""
+    (imported), for the ``--model`` reference ``ref``; ``ValueError`` in one line. The current
+    folder (for ``package.module``) or the file's (for ``PATH.py``) joins ``sys.path``, as ``python
+    -m`` and ``python FILE.py`` would have it, so that the factory's imports of its own project
+    resolve from the ``pufferfish`` command too."""
     if not (where.endswith(".py") or "/" in where or "\\" in where):
+        _on_path(Path.cwd())
         try:
             return importlib.import_module(where)
         except Exception as e:
@@ -166,6 +170,7 @@ def import_reference(ref: str, where: str) -> Any:
     name = f"_pufferfish_workload_{abs(hash(str(path.resolve())))}"
     if name in sys.modules:
         return sys.modules[name]
+    _on_path(path.resolve().parent)
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ValueError(f"--model {ref!r}: {str(path)!r} is not a Python file")
@@ -179,3 +184,9 @@ def import_reference(ref: str, where: str) -> Any:
                          f"{type(e).__name__}: {e}") from None
     return module
 
+
+def _on_path(folder: Path) -> None:
+    """``folder`` at the end of ``sys.path`` unless there: last, so that nothing installed is
+    shadowed by a file of the same name there."""
+    if str(folder) not in sys.path and str(folder.resolve()) not in sys.path:
+        sys.path.append(str(folder.resolve()))
