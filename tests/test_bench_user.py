@@ -51,9 +51,15 @@ WORKLOADS = textwrap.dedent('''
         raise RuntimeError("no GPU here")
 
 
-    def nothing():
-        return Workload(model=nn.Sequential(nn.ReLU()), loss=lambda o, t: o.sum(),
+    def nothing():  # a 4 x 1 matrix: no rank below 1 saves anything
+        return Workload(model=nn.Sequential(nn.Linear(4, 1)), loss=lambda o, t: o.sum(),
                         make_batch=lambda b: (torch.randn(b, 4), None))
+
+
+    def detached():
+        w = make()
+        w.loss = lambda o, t: F.cross_entropy(o.detach(), t)
+        return w
 
 
     def bad_keep():
@@ -188,6 +194,7 @@ def _bench_error(args: list[str], out: Path, capsys: pytest.CaptureFixture[str])
                       "aux.bias), which stops DDP at its second step: allowed "
                       "Workload(find_unused_parameters=True)"),
     ("{path}:weight_normed", "copying the model raised RuntimeError"),
+    ("{path}:detached", "loss(outputs, targets) does not depend on any trainable parameter"),
     ("{path}:whole_ratio", "Pufferfish has nothing to factorize in Sequential"),
     ("{path}:text_ratio", "Workload.rank_ratio '0.5' is invalid: allowed a number in (0, 1]"),
     ("{path}:packed", "a step on make_batch(2) on the factorized model (rank ratio 0.25) raised "
@@ -295,6 +302,26 @@ def _check_measured(result: dict[str, Any], methods: list[str], processes: int) 
     assert rows["ddp"]["params"] == rows["ddp"]["params_full"]
     puff = rows["pufferfish"]
     assert puff["bytes_per_step"] == 4 * puff["params"] and puff["params"] < puff["params_full"]
+
+
+def test_your_model_is_timed_in_its_own_layout_unless_asked(workloads: Path,
+                                                            tmp_path: Path) -> None:
+    """--channels-last: off for a Workload (timed as built), on for our models, a flag wins."""
+    import argparse
+
+    from pufferfish.bench.flags import add_arguments, config_from_args
+
+    def channels_last(*argv: str) -> bool:
+        ap = argparse.ArgumentParser()
+        add_arguments(ap)
+        args = ap.parse_args([*argv, "--methods", "ddp", "--out", str(tmp_path / "out")])
+        return config_from_args(args).channels_last
+
+    mine = f"{workloads}:make"
+    assert not channels_last("--model", mine)
+    assert channels_last("--model", mine, "--channels-last")
+    assert channels_last("--model", "resnet18")
+    assert not channels_last("--model", "resnet18", "--no-channels-last")
 
 
 def test_checked_models_that_train(workloads: Path) -> None:

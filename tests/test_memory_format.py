@@ -50,10 +50,12 @@ def test_narrow_resnet_keeps_its_strided_1x1_shortcuts_with_few_channels_nchw() 
 def test_a_model_with_a_3d_convolution_keeps_its_5d_weights() -> None:
     """``Module.to(memory_format=channels_last)`` refuses any 5-D weight; only 4-D ones move."""
     model = nn.ModuleDict({"video": nn.Conv3d(2, 4, 3), "image": nn.Conv2d(2, 4, 3)})
-    video = model["video"].weight
+    model["image"](torch.randn(1, 2, 5, 5)).sum().backward()  # a live gradient moves with it
+    params = dict(model.named_parameters())
     assert to_channels_last(model) == []
-    assert channels_last(model["image"].weight) and model["video"].weight.is_contiguous()
-    assert model["video"].weight is video
+    assert channels_last(model["image"].weight) and channels_last(model["image"].weight.grad)
+    assert model["video"].weight.is_contiguous()
+    assert dict(model.named_parameters()) == params  # the same objects: the optimizer's
 
 
 def test_the_hazard_is_a_strided_1x1_conv_with_fewer_than_16_input_channels_per_group() -> None:

@@ -87,9 +87,9 @@ def _measurement_arguments(ap: argparse.ArgumentParser, d: BenchConfig) -> None:
     ap.add_argument("--alpha-us", type=float, default=d.alpha * 1e6,
                     help="per-message latency of the projection model, microseconds")
     ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                    help="conv weights in NHWC memory order (default: on for the built-in "
-                         "models, as `pufferfish train` stores them; off for your own --model "
-                         "PATH.py:FUNC, timed in the layout you built it in)")
+                    help="conv weights in NHWC memory order (default: on for our models and "
+                         "model specs, as `pufferfish train` stores them; off for your Workload "
+                         "(--model PATH.py:FUNC, hf:CONFIG), timed in the layout you built)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
                     help="torch.compile every method's model (compiled in the warm-up steps)")
     ap.add_argument("--amp", default=d.amp,

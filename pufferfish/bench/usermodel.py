@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -121,10 +122,13 @@ def _checked(ref: str, name: str, workload: Any) -> Workload:
         raise ValueError(f"--model {ref!r}: Workload.optimizer {workload.optimizer!r} is "
                          "invalid: allowed adamw, sgd")
     ratio = workload.rank_ratio
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0 < ratio <= 1:
         raise ValueError(f"--model {ref!r}: Workload.rank_ratio {ratio!r} is invalid: allowed a "
                          "number in (0, 1]")
     workload.rank_ratio = float(ratio)  # 1 is the whole rank, not an absolute rank of 1
+    if not isinstance(workload.find_unused_parameters, bool):
+        raise ValueError(f"--model {ref!r}: Workload.find_unused_parameters "
+                         f"{workload.find_unused_parameters!r} is invalid: allowed True, False")
     return workload
 
 
@@ -164,21 +168,29 @@ def check_workload(ref: str, seq_len: int, factorized: bool,
     """Before any process starts: ``ref`` loads and one step of batch 2 (``make_batch``, the
     model, ``loss`` a scalar, backward) runs on the model and, if a method is ``factorized``, on
     Pufferfish's factorization of it at each of ``rank_ratios`` (None: the workload's own).
-    ``ValueError`` in one line naming what failed."""
+    ``ValueError`` in one line naming what failed. Once per process for the same arguments."""
+    _checked_once(ref, seq_len, factorized, tuple(dict.fromkeys(rank_ratios)))
+
+
+@functools.lru_cache(maxsize=8)
+def _checked_once(ref: str, seq_len: int, factorized: bool,
+                  rank_ratios: tuple[float | None, ...]) -> None:
     workload = load_workload(ref, seq_len)
     _check_step(ref, workload, _copy(ref, workload.model), "")
-    if factorized:
-        for ratio in dict.fromkeys(rank_ratios):
-            model = _copy(ref, workload.model)
-            _factorize(ref, workload, model, ratio)
-            said = workload.rank_ratio if ratio is None else ratio
-            _check_step(ref, workload, model, f" on the factorized model (rank ratio {said:g})")
+    for ratio in rank_ratios if factorized else ():
+        model = _copy(ref, workload.model)
+        _factorize(ref, workload, model, ratio)
+        said = workload.rank_ratio if ratio is None else ratio
+        _check_step(ref, workload, model, f" on the factorized model (rank ratio {said:g})")
+        del model  # one copy alive at a time
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # a factory that built on the GPU: the check's memory goes back
 
 
 def _check_step(ref: str, workload: Workload, model: nn.Module, what: str) -> None:
-    """One training step's forward, loss and backward on ``make_batch(2)``; every trainable
-    parameter must get a gradient unless ``workload.find_unused_parameters`` (else DDP stops at
-    its second step, in every worker)."""
+    """One training step's forward, loss and backward on ``make_batch(2)``; the loss must
+    depend on the model's trainable parameters, and every one of them get a gradient unless
+    ``workload.find_unused_parameters`` (else DDP stops at its second step, in every worker)."""
     def said(e: Exception) -> str:
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
@@ -191,19 +203,25 @@ def _check_step(ref: str, workload: Workload, model: nn.Module, what: str) -> No
         raise ValueError(f"--model {ref!r}: loss(outputs, targets){what} returned "
                          f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))}, "
                          "allowed a scalar tensor")
+    if not value.requires_grad:  # detached outputs, no_grad, or nothing trainable: DDP refuses
+        raise ValueError(f"--model {ref!r}: loss(outputs, targets){what} does not depend on any "
+                         "trainable parameter: allowed a loss computed with gradients from a "
+                         "model with parameters to train")
     try:
-        if value.requires_grad:  # else no parameter reaches it: each is named below
-            value.backward()
+        value.backward()
     except Exception as e:
         raise ValueError(f"--model {ref!r}: backward of loss(outputs, targets){what} raised "
                          f"{said(e)}") from None
     unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     if unused and not workload.find_unused_parameters:
+        remedy = ("a model whose trainable parameters all get a gradient (write a PATH.py:FUNC "
+                  "factory building this one with Workload(find_unused_parameters=True))"
+                  if ref.startswith(_HF) else "Workload(find_unused_parameters=True), as your "
+                  "own DDP needs, or those parameters frozen (requires_grad_(False))")
         raise ValueError(
             f"--model {ref!r}: {len(unused)} trainable parameter(s) get no gradient from the "
             f"loss{what} ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}), which "
-            "stops DDP at its second step: allowed Workload(find_unused_parameters=True), as "
-            "your own DDP needs, or those parameters frozen (requires_grad_(False))")
+            f"stops DDP at its second step: allowed {remedy}")
 
 
 def _copy(ref: str, model: nn.Module) -> nn.Module:

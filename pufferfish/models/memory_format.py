@@ -62,6 +62,8 @@ def to_channels_last(model: nn.Module) -> list[str]:
                     nhwc = tensor.to(memory_format=torch.channels_last)  # as Module.to restrides
                     if isinstance(tensor, nn.Parameter):
                         tensor.data = nhwc  # the same Parameter object, as Module.to keeps it
+                        if tensor.grad is not None:  # and its gradient in the same layout
+                            tensor.grad = tensor.grad.to(memory_format=torch.channels_last)
                     else:
                         setattr(module, name, nhwc)
     kept = []

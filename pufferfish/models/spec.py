@@ -152,9 +152,9 @@ def spec_of_reference(ref: str) -> ModelSpec | None:
 def import_reference(ref: str, where: str) -> Any:
     """The module of ``PATH.py`` (loaded from the file once per process) or of ``package.module``
     (imported), for the ``--model`` reference ``ref``; ``ValueError`` in one line. The current
-    folder (for ``package.module``) or the file's (for ``PATH.py``) joins ``sys.path``, as ``python
-    -m`` and ``python FILE.py`` would have it, so that the factory's imports of its own project
-    resolve from the ``pufferfish`` command too."""
+    folder (for ``package.module``) or the file's (for ``PATH.py``) joins the end of
+    ``sys.path``, so that the factory's imports of its own project resolve from the
+    ``pufferfish`` command too, as under ``python -m`` (which puts it first)."""
     if not (where.endswith(".py") or "/" in where or "\\" in where):
         _on_path(Path.cwd())
         try:
