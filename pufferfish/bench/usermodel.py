@@ -148,7 +148,7 @@ def _hf_workload(ref: str, config_path: str, seq_len: int) -> Workload:
         model = transformers.AutoModelForCausalLM.from_config(config)
     except Exception as e:  # an unreadable file, an unknown model_type, no causal-LM class
         raise ValueError(f"--model {ref!r}: building a causal LM from it raised "
-                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+                         f"{_said(e)}") from None
     vocab = int(config.vocab_size)
 
     def make_batch(batch_size: int) -> tuple[dict[str, Any], torch.Tensor]:
@@ -191,14 +191,11 @@ def _check_step(ref: str, workload: Workload, model: nn.Module, what: str) -> No
     """One training step's forward, loss and backward on ``make_batch(2)``; the loss must
     depend on the model's trainable parameters, and every one of them get a gradient unless
     ``workload.find_unused_parameters`` (else DDP stops at its second step, in every worker)."""
-    def said(e: Exception) -> str:
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-
     try:
         inputs, targets = workload.make_batch(2)
         value = workload.loss(call_model(model, inputs), targets)
     except Exception as e:  # the user's code: said in one line
-        raise ValueError(f"--model {ref!r}: a step on make_batch(2){what} raised {said(e)}") from None
+        raise ValueError(f"--model {ref!r}: a step on make_batch(2){what} raised {_said(e)}") from None
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
         raise ValueError(f"--model {ref!r}: loss(outputs, targets){what} returned "
                          f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))}, "
@@ -211,7 +208,7 @@ def _check_step(ref: str, workload: Workload, model: nn.Module, what: str) -> No
         value.backward()
     except Exception as e:
         raise ValueError(f"--model {ref!r}: backward of loss(outputs, targets){what} raised "
-                         f"{said(e)}") from None
+                         f"{_said(e)}") from None
     unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     if unused and not workload.find_unused_parameters:
         remedy = ("a model whose trainable parameters all get a gradient (write a PATH.py:FUNC "
@@ -224,14 +221,19 @@ def _check_step(ref: str, workload: Workload, model: nn.Module, what: str) -> No
             f"stops DDP at its second step: allowed {remedy}")
 
 
+def _said(e: Exception) -> str:
+    """An exception from the user's code in one line: its type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def _copy(ref: str, model: nn.Module) -> nn.Module:
     """A deep copy of the workload's model (one per method), or a one-line ``ValueError``."""
     try:
         return copy.deepcopy(model)
     except Exception as e:  # torch.nn.utils.weight_norm's computed weight, an open file, a lock
         raise ValueError(
-            f"--model {ref!r}: copying the model raised {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''} (the bench trains a copy per method; "
+            f"--model {ref!r}: copying the model raised {_said(e)} (the bench trains a copy per "
+            "method; "
             "torch.nn.utils.weight_norm: use torch.nn.utils.parametrizations.weight_norm)") from None
 
 
