@@ -18,8 +18,6 @@ FOLDERS: dict[str, str] = {
     "converged-vgg19": "vgg19-w1-fashion-e20-gpu",
     # the bench with automatic buckets that times the converged ResNet-18 runs
     "converged-bench": "buckets-2026-12-05/w1-auto-idle/results.json",
-    # width 0.25, 6 epochs: Pufferfish + PowerSGD against PowerSGD, with its bench
-    "composition": "resnet18-w0.25-fashion-e6",
     # benchmarks/image_ranks.py: each baseline at its best (width 0.25, 20 epochs, 2 seeds)
     "image-ranks": "resnet18-w0.25-fashion-e20-ranks",
     # the newest `make demo` (benchmarks/demo.sh's 4 methods)

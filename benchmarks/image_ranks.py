@@ -32,6 +32,7 @@ minus the same margin), judged on test by worst rounds.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import subprocess
@@ -222,14 +223,32 @@ def step_times(out: Path, seed: int) -> dict[tuple[str, str], ttt.StepTime] | No
             for r in json.loads(results.read_text())["rows"]}
 
 
+def _timed_phases(method: str, path: Path, link: str, times: dict[tuple[str, str], ttt.StepTime]
+                  ) -> list[tuple[float, ttt.StepTime]] | None:
+    """A run's phases at their step times over ``link``; None when one was not measured."""
+    parts = [(n, m) for n, m in phases(method, path) if n > 0]
+    if any((m, link) not in times for _, m in parts):
+        return None
+    return [(n, times[(m, link)]) for n, m in parts]
+
+
 def seconds_to(method: str, path: Path, steps: float | None, link: str,
                times: dict[tuple[str, str], ttt.StepTime]) -> ttt.StepTime | None:
     """A run's seconds for its first ``steps`` over ``link`` (median, best round, worst round);
     None when it never reaches the target (``steps`` None) or a phase's time was not measured."""
-    parts = [(n, m) for n, m in phases(method, path) if n > 0]
-    if steps is None or any((m, link) not in times for _, m in parts):
+    timed = _timed_phases(method, path, link, times)
+    return None if steps is None or timed is None else ttt.time_range(steps, timed)
+
+
+def curve(method: str, path: Path, link: str, times: dict[tuple[str, str], ttt.StepTime]
+          ) -> list[tuple[ttt.StepTime, float]] | None:
+    """A run's modelled seconds over ``link`` at the end of each epoch, with its test accuracy
+    then (the plot's points); None when a phase's step time was not measured."""
+    timed = _timed_phases(method, path, link, times)
+    if timed is None:
         return None
-    return ttt.time_range(steps, [(n, times[(m, link)]) for n, m in parts])
+    ends = itertools.accumulate(row["steps"] for row in _rows(path))
+    return [(ttt.time_range(end, timed), row["test_acc"]) for end, row in zip(ends, _rows(path))]
 
 
 def targets(out: Path) -> dict[str, float] | None:

@@ -157,6 +157,20 @@ def test_results_md_names_the_device_and_on_a_gpu_what_compress_leaves_out(
     assert "Measured on: cpu." in md and "host's time around" not in md
 
 
+def test_a_cpu_record_names_its_cpu() -> None:
+    """CPUs differ several-fold in compute, which decides whether a step waits on the wire: a
+    record says which one it ran on, as a GPU record says which GPU."""
+    from pufferfish.bench.step import cpu_name, device_facts
+
+    assert device_facts(torch.device("cpu")) == {"device": "cpu", "device_name": cpu_name()}
+    info = Path("/proc/cpuinfo")
+    models = [line.split(":", 1)[1].strip() for line in
+              (info.read_text().splitlines() if info.is_file() else [])
+              if line.startswith("model name")]
+    if models:  # Linux on x86 (ARM's cpuinfo has no model name: the platform's word then)
+        assert cpu_name() == models[0] != ""
+
+
 # -- the step workers: device, precision, timing, progress ----------------------------------------
 
 

@@ -135,18 +135,28 @@ def test_the_claim_states_each_side_s_fastest_either_way(tmp_path: Path) -> None
 
     out = tmp_path / "resnet18-w0.25-fashion-e20-ranks"
     _study(out, {0: STEP, 1: STEP}, stopped="psgd-r8-s1")
-    claim = images.ranks_claim(tmp_path)
+    claim, _ = images.ranks_claim(tmp_path)
     assert claim["met"] is None and claim["readme"]["ours"].startswith(
-        "in progress: 19 of its 20 runs cached")  # rank 1, chosen, needs not rank 8's seed 1
+        "in progress: 19 of its 20 runs cached, PowerSGD rank 8 seed 1 to come; so far, among "
+        "the settings with both seeds, to DDP −0.5: Pufferfish (rank ¼) 60 / 60 s, PowerSGD "
+        "rank 1 108 / 108 s")
     assert image_ranks.pending(out)[0] == "psgd-r8-s1"
     (image_ranks.run_dir(out, "psgd-r8", 1) / "config.toml").write_text("epochs = 4\n")
-    claim = images.ranks_claim(tmp_path)
+    claim, curves = images.ranks_claim(tmp_path)
     # to -0.5 (epoch 3, 1,290 steps): Pufferfish 1/4 430 x 0.1 + 860 x 0.02 = 60.2 s; PowerSGD
     # rank 1 860 x 0.1 + 430 x 0.05 = 107.5 s; rank 1/8 is faster on test, never on validation
     assert "to DDP −0.5: Pufferfish (rank ¼) 60 / 60 s, PowerSGD rank 1 108 / 108 s on seeds " \
            "0 / 1: Pufferfish first on both" in claim["readme"]["ours"], claim["readme"]["ours"]
     assert claim["met"] is True
     assert claim["methods"]["PowerSGD rank 1: s to DDP −1"]["seeds"] == {"0": 86.0, "1": 86.0}
+    # the plot: DDP and each side's picks, each epoch's end at its modelled seconds
+    shown = {c.method: c for c in curves[1] if c.regime == "100mbit"}
+    assert set(shown) == {"DDP", "Pufferfish (rank ¼)", "PowerSGD rank 1"}
+    assert shown["DDP"].times == pytest.approx([43.0, 86.0, 129.0, 172.0])
+    assert shown["Pufferfish (rank ¼)"].times == pytest.approx([43.0, 51.6, 60.2, 68.8])
+    assert shown["Pufferfish (rank ¼)"].high[-1] == pytest.approx(68.8 * 1.01)
+    assert shown["DDP"].accuracies == [0.90, 0.92, 0.93, 0.93]
+    assert claim["readme"]["details"].endswith("[plot](docs/img/ranks-w025.png)")
     assert claim["methods"]["Pufferfish (rank ¼) + PowerSGD rank 1: s to DDP −0.5"]["mean"] \
         == pytest.approx(86.0 + 430 * 0.02)
     slow = {**STEP, "pufferfish:rank_ratio=0.25": 0.09, "pufferfish:rank_ratio=0.5": 0.1,
@@ -154,10 +164,10 @@ def test_the_claim_states_each_side_s_fastest_either_way(tmp_path: Path) -> None
     for path in out.glob("bench-s1"):
         (path / "results.json").unlink()
         path.rmdir()
-    assert images.ranks_claim(tmp_path)["readme"]["ours"].startswith(
+    assert images.ranks_claim(tmp_path)[0]["readme"]["ours"].startswith(
         "in progress: all 20 runs cached; image_ranks: no bench for seed 1")
     _bench(out, 1, slow)
-    claim = images.ranks_claim(tmp_path)
+    claim, _ = images.ranks_claim(tmp_path)
     assert claim["met"] is False
     # to -0.5 on seed 1: 430 x 0.1 + 860 x 0.09 = 120.4 s against PowerSGD's 107.5 s
     assert "Pufferfish (rank ¼) 60 / 120 s, PowerSGD rank 1 108 / 108 s on seeds 0 / 1: " \

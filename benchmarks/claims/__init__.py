@@ -2,7 +2,7 @@
 
 One package, by topic: this module holds the rules (runs, seeds, spreads, records, the README
 table and the claim blocks of docs/benchmarks.md); ``images.py`` the image-model claims
-(parameters, accuracy, warm-up, time to accuracy, PowerSGD composed, each baseline at its best,
+(parameters, accuracy, warm-up, time to accuracy, each baseline at its best (composed or not),
 ``make demo``); ``lm.py`` the language-model ones (DiLoCo, the budget study and its links);
 ``plots.py`` the plots.
 
@@ -150,7 +150,6 @@ def _met_word(met: bool | None) -> str:
 # What README's sentence under the table calls each claim (by id).
 SHORT = {"parameters": "the parameter counts", "accuracy-gap": "the accuracy gap",
          "warm-up": "the warm-up", "time-to-accuracy": "time to accuracy",
-         "composition": "Pufferfish + PowerSGD",
          "baselines-at-best": "Pufferfish vs PowerSGD each at its best",
          "demo": "`make demo`", "diloco": "DiLoCo", "lm-budget": "the LM budget study",
          "lm-budget-links": "the LM budget study over links"}
@@ -218,12 +217,12 @@ def build(cache: Path, params: dict[str, list[int]], source: str) -> tuple[list[
     from claims import images, lm
 
     tta, tta_curves = images.tta_claim(cache)
-    comp, comp_curves = images.composition_claim(cache)
+    ranks, ranks_curves = images.ranks_claim(cache)
     diloco, diloco_data = lm.diloco_claim(cache)
     claims = [images.counts_claim(params, source), images.accuracy_claim(cache),
-              images.warmup_claim(cache), tta, comp, images.ranks_claim(cache),
+              images.warmup_claim(cache), tta, ranks,
               images.demo_claim(cache), diloco,
               lm.budget_claim(cache), lm.budget_links_claim(cache)]
-    return claims, {"tta": tta_curves, "composition": comp_curves, "diloco": diloco_data}
+    return claims, {"tta": tta_curves, "ranks": ranks_curves, "diloco": diloco_data}
 
 

@@ -1,5 +1,6 @@
 """The image-model claims: parameters, accuracy and the warm-up at the paper's width, time to
-accuracy against DDP and PowerSGD (composed or not), and ``make demo``; each from the cache."""
+accuracy against DDP and PowerSGD, each baseline at its best (composed or not), and ``make
+demo``; each from the cache."""
 
 from __future__ import annotations
 
@@ -90,14 +91,6 @@ def _apart(methods: dict[str, Any], a: str, b: str, seed: str) -> bool:
     return not overlap(tuple(ra) if ra else None, tuple(rb) if rb else None)
 
 
-def _alike(entry: dict[str, Any], fmt: str) -> str:
-    """'2.35x on seeds 0 and 1 alike' where every seed has the same value, else per seed."""
-    values = list(entry["seeds"].values())
-    if len(values) > 1 and len(set(values)) == 1:
-        return f"{num(fmt, values[0])} on seeds {' and '.join(entry['seeds'])} alike"
-    return per_seed(entry, fmt)
-
-
 def tta_claim(cache: Path) -> tuple[dict, dict]:
     """Time to DDP −0.5 at the paper's width over 100 Mbit/s, with the automatic buckets."""
     folder = folders.folder(cache, "converged-resnet18")
@@ -143,63 +136,24 @@ def tta_claim(cache: Path) -> tuple[dict, dict]:
          f"[time to accuracy]({DOCS}#time-to-accuracy-vs-ddp), [plot](docs/img/tta-w1.png)")), curves
 
 
-def composition_claim(cache: Path) -> tuple[dict, dict]:
-    """Pufferfish + PowerSGD against PowerSGD at width 0.25 over 100 Mbit/s: to DDP −0.5 (the
-    other rows' target, where the verdict is) and to DDP −1 (where the composition leads)."""
-    folder = folders.folder(cache, "composition")
-    results = folder / "bench/results.json"
-    names = {"ddp": ("full",), "powersgd": ("psgd",), "pufferfish": ("puff",),
-             "pufferfish+powersgd": ("puffpsgd",)}
-    seeds = [s for s in (0, 1) if all((folder / f"{n[0]}-s{s}").is_dir() for n in names.values())]
-    half, _, used, _ = _timed(results, folder, names, seeds, "100mbit", 0.5)
-    one, _, _, curves = _timed(results, folder, names, seeds, "100mbit", 1.0)
-    comp, psgd = half["pufferfish+powersgd"]["rounds"], half["powersgd"]["rounds"]
-    met = all(comp[s] and psgd[s] and comp[s][0] > psgd[s][1] for s in map(str, seeds))
-    apart = all(_apart(one, "pufferfish+powersgd", "powersgd", str(s)) for s in seeds)
-    same = all(len(set(e["seeds"].values())) == 1 for e in one.values())
-    rank = json.loads(results.read_text())["config"]["powersgd_rank"]
-    ours = (f"speed-up over DDP, 100 Mbit/s: to DDP −0.5 (the other rows' target) PowerSGD "
-            f"{per_seed(half['powersgd'], '{:.2f}x')}, Pufferfish + PowerSGD "
-            f"{_alike(half['pufferfish+powersgd'], '{:.2f}x')}; to DDP −1 Pufferfish + PowerSGD "
-            f"{_alike(one['pufferfish+powersgd'], '{:.2f}x')}, PowerSGD "
-            f"{_alike(one['powersgd'], '{:.2f}x')}, round spreads {'apart' if apart else 'overlap'}"
-            + (" (the same epochs to the target on both seeds, timed by the same bench rounds: the "
-               "second seed adds no timing evidence)" if same else "")
-            + f"; width 0.25, 6 epochs, PowerSGD rank {rank}")
-    return record(
-        "composition", "Pufferfish composed with PowerSGD, against PowerSGD",
-        "(not in the paper: it compares the two)", "x DDP's speed",
-        "ahead of PowerSGD to DDP −0.5 on every seed, the worst round above PowerSGD's best", met,
-        {**{f"{m} to DDP −0.5": e for m, e in half.items()},
-         **{f"{m} to DDP −1": e for m, e in one.items()}},
-        f"pufferfish bench --from-results {results} --accuracy-runs ddp=R/full-sS,powersgd="
-        "R/psgd-sS,pufferfish=R/puff-sS,pufferfish+powersgd=R/puffpsgd-sS --compute-ms 30 "
-        f"(R={folder}, each seed S)", used,
-        "Width 0.25 and 6 epochs, not the paper's width; PowerSGD at one untuned rank; both seeds "
-        "are timed with one bench's step times, so the seeds differ only in the epoch each "
-        "method reaches the target.",
-        "fixed in advance", ("Pufferfish + PowerSGD vs PowerSGD", "–", ours,
-                             f"[composed]({DOCS}#pufferfish--powersgd), "
-                             "[plot](docs/img/composition-w025.png)")), curves
-
-
-def ranks_claim(cache: Path) -> dict:
+def ranks_claim(cache: Path) -> tuple[dict, dict[int, list[acc.Curve]]]:
     """Each image baseline at its best (benchmarks/image_ranks.py): over 100 Mbit/s, to DDP −0.5
     and −1 on both seeds, Pufferfish's fastest variant against PowerSGD's fastest rank, each
-    chosen on validation, judged on test by worst rounds."""
+    chosen on validation, judged on test by worst rounds; with the plot's curves (DDP and each
+    side's picks over every link, per seed)."""
     import image_ranks as ir
 
     out = folders.folder(cache, "image-ranks")
     todo = ir.pending(out)
-    found = "runs to go" if todo else ir.results(out)
-    status = (f"{ir.TOTAL_RUNS - len(todo)} of its {ir.TOTAL_RUNS} runs cached (`python "
-              "benchmarks/image_ranks.py run OUT`, then `cache OUT DEST`)" if todo else
-              f"all {ir.TOTAL_RUNS} runs cached; {found}")
+    found = ir.results(out)
+    status = (f"{ir.TOTAL_RUNS - len(todo)} of its {ir.TOTAL_RUNS} runs cached" if todo else
+              f"all {ir.TOTAL_RUNS} runs cached")
     methods: dict[str, Any] = {}
-    met, ours = None, f"in progress: {status}"
+    met, curves = None, {}
+    ours = f"in progress: {status}; {found}" if not todo else \
+        f"in progress: {status} (`python benchmarks/image_ranks.py run OUT`, then `cache OUT DEST`)"
     if not isinstance(found, str):
         judged = {(m, s): ir.judge(found, m, s) for m in ir.MARGINS for s in ir.SEEDS}
-        met = all(j["answer"] == "Pufferfish first" for j in judged.values())
         for r in found["rows"]:
             name = ir.label(r["method"], ir.run_dir(out, r["method"], r["seed"]))
             for margin in ir.MARGINS:
@@ -210,8 +164,15 @@ def ranks_claim(cache: Path) -> dict:
                 entry["rounds"][str(r["seed"])] = None if t is None else [t.low, t.high]
         methods = {k: {**stats({int(s): v for s, v in e["seeds"].items()}), "rounds": e["rounds"]}
                    for k, e in methods.items()}
-        ours = "; ".join(_ranks_cell(out, judged, m) for m in ir.MARGINS) + \
+        cells = "; ".join(_ranks_cell(out, judged, m) for m in ir.MARGINS) + \
             f" (test, {LINK_NAMES[ir.VERDICT_LINK]}, each side's fastest chosen on validation)"
+        curves = _ranks_curves(out, found, judged)
+        if todo:  # a verdict so far, among the settings with both seeds: not yet the claim's
+            ours = (f"in progress: {status}, {_to_come(out, todo)} to come; so far, among the "
+                    f"settings with both seeds, {cells}")
+        else:
+            met = all(j["answer"] == "Pufferfish first" for j in judged.values())
+            ours = cells
     return record(
         "baselines-at-best", "Pufferfish against PowerSGD, each at its best (ResNet-18 ¼)",
         "(not in the paper: it compares them at one setting)", "seconds to the target",
@@ -224,7 +185,39 @@ def ranks_claim(cache: Path) -> dict:
         "PowerSGD at ranks 1–8, Pufferfish at rank ratios ⅛–½ and composed with fp16 and with "
         "PowerSGD; not the paper's width, nor a GPU.", "validation",
         ("Pufferfish vs PowerSGD, each at its best (ResNet-18 ¼)", "–", ours,
-         f"[each at its best]({DOCS}#each-baseline-at-its-best-targets-fixed-before-the-runs)"))
+         f"[each at its best]({DOCS}#each-baseline-at-its-best-targets-fixed-before-the-runs)"
+         + (", [plot](docs/img/ranks-w025.png)" if curves else ""))), curves
+
+
+def _ranks_curves(out: Path, found: dict, judged: dict) -> dict[int, list[acc.Curve]]:
+    """Per seed, test accuracy against modelled seconds over each link: DDP and every pick."""
+    import image_ranks as ir
+
+    shown = ["ddp", *dict.fromkeys(p for j in judged.values() for p in j["picks"].values() if p)]
+    curves: dict[int, list[acc.Curve]] = {}
+    for seed in ir.SEEDS:
+        times = ir.step_times(out, seed) or {}
+        for method, link in ((m, link) for m in shown for link in found["links"]):
+            path = ir.run_dir(out, method, seed)
+            if (points := ir.curve(method, path, link, times)) is not None:
+                secs = [t for t, _ in points]
+                curves.setdefault(seed, []).append(acc.Curve(
+                    ir.label(method, path), link, 0, [a for _, a in points],
+                    [t.median for t in secs], [t.low for t in secs], [t.high for t in secs]))
+    return curves
+
+
+def _to_come(out: Path, todo: list[str]) -> str:
+    """The pending runs in words: 'PowerSGD rank 8 seed 1, Pufferfish (rank ¼) + fp16 seed 1'."""
+    import image_ranks as ir
+
+    def words(name: str) -> str:
+        method, seed = name.rsplit("-s", 1)
+        what = f"Pufferfish (rank {ir.FRACTIONS[ir.RATIO]}) + PowerSGD" if method == "puff-psgd" else \
+            ir.label(method, ir.run_dir(out, method, int(seed)))
+        return f"{what} seed {seed}"
+
+    return ", ".join(map(words, todo))
 
 
 def _ranks_cell(out: Path, judged: dict, margin: float) -> str:

@@ -1,4 +1,4 @@
-"""The headline plots: accuracy against modelled wall-clock (time to accuracy, PowerSGD composed)
+"""The headline plots: accuracy against modelled wall-clock (time to accuracy, each baseline at its best)
 and DiLoCo's validation perplexity against seconds."""
 
 from __future__ import annotations

@@ -87,6 +87,7 @@ import inspect
 import itertools
 import json
 import os
+import platform
 import statistics
 import sys
 from collections.abc import Sequence
@@ -494,9 +495,21 @@ def _record(args: argparse.Namespace, method: str, world: int,
 
 
 def device_facts(device: torch.device) -> dict[str, str]:
-    """What a record says of where it ran: the device and, on a GPU, its model's name."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    """What a record says of where it ran: the device and its model's name (a GPU's, or the
+    CPU's: CPUs differ several-fold in compute, which decides whether a step waits on the wire)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return {"device": str(device), "device_name": name}
+
+
+def cpu_name() -> str:
+    """The CPU's model name: Linux's ``/proc/cpuinfo``, else the platform's word for it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def rank_device(requested: str, cpu_only: bool) -> torch.device:
