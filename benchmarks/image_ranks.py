@@ -247,8 +247,10 @@ def curve(method: str, path: Path, link: str, times: dict[tuple[str, str], ttt.S
     timed = _timed_phases(method, path, link, times)
     if timed is None:
         return None
-    ends = itertools.accumulate(row["steps"] for row in _rows(path))
-    return [(ttt.time_range(end, timed), row["test_acc"]) for end, row in zip(ends, _rows(path))]
+    rows = _rows(path)
+    ends = itertools.accumulate(row["steps"] for row in rows)
+    return [(ttt.time_range(end, timed), row["test_acc"]) for end, row in zip(ends, rows)
+            if "test_acc" in row]
 
 
 def targets(out: Path) -> dict[str, float] | None:
@@ -283,12 +285,14 @@ def results(out: Path) -> dict | str:
         return "image_ranks: DDP's two seeds have not finished"
     methods = [*METHODS, "puff-psgd"]
     found: dict = {"ddp": ddp, "rows": []}
+    links: list[str] | None = None
     for seed in SEEDS:
         times = step_times(out, seed)
         if times is None:
             return f"image_ranks: no bench for seed {seed} yet (sudo image_ranks.py bench OUT " \
                    f"--seed {seed})"
-        links = list(dict.fromkeys(link for _, link in times))
+        seen = list(dict.fromkeys(link for _, link in times))
+        links = seen if links is None else [link for link in links if link in seen]  # in every bench
         if (lacks := _unmeasured(out, seed, times, links)) is not None:
             return lacks
         for method in methods:

@@ -192,3 +192,16 @@ def test_powersgd_best_rank_is_settled_once_the_ranks_below_it_are(tmp_path: Pat
         (image_ranks.run_dir(tmp_path, "psgd-r2", seed) / "metrics.jsonl").write_text(
             json.dumps({"epoch": 1, "steps": STEPS, "test_acc": 0.9, "val_acc": 0.92}) + "\n")
     assert image_ranks.best_psgd_rank(tmp_path) == 4
+
+
+def test_links_are_those_every_seed_s_bench_measured(tmp_path: Path) -> None:
+    """A link only seed 1's bench measured is left out of the table, not a KeyError on seed 0."""
+    out = tmp_path / "ranks"
+    _study(out, {0: STEP, 1: STEP})
+    extra = image_ranks.bench_dir(out, 1) / "results.json"
+    saved = json.loads(extra.read_text())
+    saved["rows"] += [{**r, "bandwidth": "1gbit"} for r in saved["rows"]]
+    extra.write_text(json.dumps(saved))
+    found = image_ranks.results(out)
+    assert found["links"] == ["100mbit"]
+    assert "seconds, 1gbit" not in image_ranks.table(out)

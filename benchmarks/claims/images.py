@@ -149,7 +149,8 @@ def ranks_claim(cache: Path) -> tuple[dict, dict[int, list[acc.Curve]]]:
     status = (f"{ir.TOTAL_RUNS - len(todo)} of its {ir.TOTAL_RUNS} runs cached" if todo else
               f"all {ir.TOTAL_RUNS} runs cached")
     methods: dict[str, Any] = {}
-    met, curves = None, {}
+    met: bool | None = None
+    curves: dict[int, list[acc.Curve]] = {}
     ours = f"in progress: {status}; {found}" if not todo else \
         f"in progress: {status} (`python benchmarks/image_ranks.py run OUT`, then `cache OUT DEST`)"
     if not isinstance(found, str):

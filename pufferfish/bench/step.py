@@ -132,7 +132,8 @@ from .workload import (
     train_one_step,
 )
 
-__all__ = ["PUFFERFISH_RANK_RATIO", "amp_for", "device_facts", "join", "main", "method_options", "rank_device"]
+__all__ = ["PUFFERFISH_RANK_RATIO", "amp_for", "cpu_name", "device_facts", "join", "main", "method_options",
+           "rank_device"]
 
 # No BatchNorm-statistics broadcast in forward (see the module docstring); newer torch
 # renamed the flag and warns about the old one.
