@@ -21,7 +21,7 @@ FOLDERS: dict[str, str] = {
     # benchmarks/image_ranks.py: each baseline at its best (width 0.25, 20 epochs, 2 seeds)
     "image-ranks": "resnet18-w0.25-fashion-e20-ranks",
     # the newest `make demo` (benchmarks/demo.sh's 4 methods)
-    "demo": "demo-peers-2026-12-05",
+    "demo": "demo-picks-2026-12-08",
     # benchmarks/lm_budget.py's study (and lm_links.py's runs under links/)
     "lm-budget": "lm-budget",
     # `benchmarks/sweeps.py diloco` on llama ¼, one epoch: DiLoCo at H = 10 and 30, seeds 0 and 1

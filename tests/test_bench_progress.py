@@ -8,9 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import needs_fashion
 
 from pufferfish.bench.progress import TrainingProgress, duration
+from pufferfish.bench.step import cpu_name
 from pufferfish.cli import main
 
 
@@ -52,3 +54,7 @@ def test_bench_train_reports_each_epoch_of_each_run(tmp_path: Path,
                  "training pufferfish over loopback: epoch 2/2"):
         assert line in out, out[-3000:]
     assert out.index("pufferfish over loopback: epoch 1/2") < out.index("epoch 2/2")
+    # the records say which machine trained them: CPUs differ several-fold in compute
+    machine = json.loads((tmp_path / "b" / "train_results.json").read_text())["machine"]
+    assert machine["cpu"] == cpu_name() and ("gpu" in machine) == torch.cuda.is_available()
+    assert f"Measured on: CPU ({cpu_name()})" in (tmp_path / "b" / "train.md").read_text()

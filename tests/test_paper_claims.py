@@ -162,7 +162,7 @@ def test_one_demo_row_from_the_current_demo(generated: Path) -> None:
     claims = by_id(generated)
     assert [i for i in claims if "demo" in i] == ["demo"]
     sources = claims["demo"]["sources"]
-    assert sources and all("demo-peers-2026-12-05" in s for s in sources)
+    assert sources and all("demo-picks-2026-12-08" in s for s in sources)
 
 
 def test_the_demo_row_names_the_methods_the_demo_ran_with_their_settings(
@@ -179,8 +179,41 @@ def test_the_demo_row_names_the_methods_the_demo_ran_with_their_settings(
         run["method"] = names.get(run["method"], run["method"])
     (demo / "train_results.json").write_text(json.dumps(results))
     ours = images.demo_claim(tmp_path)["readme"]["ours"]
-    assert "powersgd:rank=1 95 s (88.18%, 4 epochs)" in ours, ours
-    assert "first: powersgd:rank=1; Pufferfish 3.32x fewer parameters" in ours
+    assert "powersgd:rank=1 295 s (88.40%, 4 epochs)" in ours, ours
+    assert "first: pufferfish:rank_ratio=0.125; Pufferfish 1.74x fewer parameters" in ours
+
+
+def test_the_cached_demo_ran_at_the_image_sweeps_picks() -> None:
+    """`make demo`'s row comes from a demo at ``image_ranks.settings``' picks, PowerSGD
+    compressing from 10% of its steps as in the sweep, and its row says so."""
+    import image_ranks
+
+    cache = ROOT / folders.CACHE
+    picks = image_ranks.settings(folders.folder(cache, "image-ranks"))
+    assert isinstance(picks, dict), picks
+    runs = folders.folder(cache, "demo") / "train" / "100mbit"
+    for name in ("powersgd", "pufferfish+powersgd"):
+        cfg = cl.config_of(runs / name)
+        assert cfg["powersgd_rank"] == picks["powersgd_rank"], name
+        steps = cfg["train_subset"] // 128 * cfg["epochs"]
+        assert cfg["powersgd_start_iter"] == -(-steps // 10), name
+    for name in ("pufferfish", "pufferfish+powersgd"):
+        assert float(cl.config_of(runs / name)["rank_ratio"]) == float(picks["rank_ratio"]), name
+    so_far = " so far" if image_ranks.pending(folders.folder(cache, "image-ranks")) else ""
+    assert f"(the image sweep's picks{so_far})" in images.demo_claim(cache)["readme"]["ours"]
+
+
+def test_a_demo_at_other_settings_says_it_is_not_at_the_sweeps_picks(tmp_path: Path) -> None:
+    cache = ROOT / folders.CACHE
+    demo = folders.folder(tmp_path, "demo")
+    shutil.copytree(folders.folder(cache, "demo"), demo)
+    folders.folder(tmp_path, "image-ranks").symlink_to(folders.folder(cache, "image-ranks"))
+    config = demo / "train" / "100mbit" / "powersgd" / "config.toml"
+    config.write_text(re.sub(r"(?m)^powersgd_rank = \d+$", "powersgd_rank = 3",
+                             config.read_text()))
+    ours = images.demo_claim(tmp_path)["readme"]["ours"]
+    assert "PowerSGD rank 3 from step" in ours and "not the image sweep's picks: powersgd rank" \
+        in ours, ours
 
 
 def test_the_prose_states_the_budget_rules_resolution_as_claimed(generated: Path) -> None:
@@ -240,9 +273,12 @@ QUOTES = [
     ("| 100 Mbit/s | PowerSGD |", "time-to-accuracy", lambda c: _speed(c, "powersgd", "1")),
     ("| DDP | 3 |", "demo", lambda c: _secs(c, "ddp")),
     ("| PowerSGD (rank 4) | 4 |", "demo", lambda c: _secs(c, "powersgd")),
-    ("| Pufferfish | 4 |", "demo", lambda c: _secs(c, "pufferfish")),
-    ("The verdict: **PowerSGD reaches", "demo", lambda c: f"({_secs(c, 'powersgd')}, against"),
-    ("The verdict: **PowerSGD reaches", "demo", lambda c: f"Pufferfish's {_secs(c, 'pufferfish')}"),
+    ("| Pufferfish (rank ½) | 4 |", "demo", lambda c: _secs(c, "pufferfish")),
+    ("| Pufferfish (rank ½) + PowerSGD", "demo", lambda c: _secs(c, "pufferfish+powersgd")),
+    ("The verdict: **Pufferfish reaches", "demo", lambda c: f"({_secs(c, 'pufferfish')}, at"),
+    ("DDP's 271 s, Pufferfish + PowerSGD's", "demo",
+     lambda c: f"DDP's {_secs(c, 'ddp')}, Pufferfish + PowerSGD's "
+               f"{_secs(c, 'pufferfish+powersgd')} and PowerSGD's {_secs(c, 'powersgd')}"),
     ("| ddp (lr 0.01) |", "lm-budget-links", lambda c: _secs(c, "ddp: s to target @ 100mbit")),
     ("| ddp (lr 0.01) |", "lm-budget-links", lambda c: _secs(c, "ddp: s to target @ 10mbit")),
     ("| pufferfish (lr 0.01) |", "lm-budget-links",

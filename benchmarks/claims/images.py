@@ -317,7 +317,9 @@ def demo_claim(cache: Path) -> dict:
     """`make demo` as it runs now: who reaches DDP's final − 0.5 first over the 100 Mbit/s link,
     among the methods it trained (with their settings: ``powersgd:rank=2``)."""
     demo = folders.folder(cache, "demo")
-    trained = json.loads((demo / "train_results.json").read_text())["runs"]
+    results = json.loads((demo / "train_results.json").read_text())
+    trained = results["runs"]
+    machine = ", ".join(f"{k.upper()} {v}" for k, v in results.get("machine", {}).items())
     runs = {m: demo / "train" / "100mbit" / m for m in
             dict.fromkeys(r["method"] for r in trained if r["bandwidth"] == "100mbit")
             if (demo / "train" / "100mbit" / m / "metrics.jsonl").is_file()}
@@ -333,6 +335,7 @@ def demo_claim(cache: Path) -> dict:
     fewer = last_row(runs["ddp"])["params"] / last_row(runs[puff])["params"]
     cells = ", ".join(f"{m} {'never' if t is None else f'{t:.0f} s'} ({final(runs[m]):.2f}%, "
                       f"{epochs[m]} epochs)" for m, t in reach.items())
+    settings = _demo_settings(cache, runs)
     return record(
         "demo", "`make demo`: first to DDP's final − 0.5 over 100 Mbit/s", "–",
         "seconds of training to the target",
@@ -341,10 +344,40 @@ def demo_claim(cache: Path) -> dict:
         [*runs.values(), demo / "train_results.json"],
         f"One seed ({cfg['seed']}), 2 CPU cores, ResNet-18 width {cfg['width']:g} on "
         f"{cfg['train_subset']:,} images: DDP {epochs['ddp']} epochs, the others one more. Times "
-        "are summed epoch times over the emulated link (evaluation excluded).",
+        "are summed epoch times over the emulated link (evaluation excluded)"
+        + (f", on one machine ({machine})." if machine else "; the record predates the machine's "
+           "naming (docs/benchmarks.md says which it was)."),
         "fixed in advance",
         (f"`make demo` (ResNet-18 width {cfg['width']:g}, {cfg['train_subset']:,} images, 2 CPU "
          f"cores, 100 Mbit/s, seed {cfg['seed']})", "–",
-         f"to {100 * target:.2f}% (DDP's final − 0.5), training seconds (final accuracy, epochs): "
-         f"{cells}; first: {first or 'none'}; Pufferfish {fewer:.2f}x fewer parameters",
+         f"{settings}; to {100 * target:.2f}% (DDP's final − 0.5), training seconds (final "
+         f"accuracy, epochs): {cells}; first: {first or 'none'}; Pufferfish {fewer:.2f}x fewer parameters",
          f"[the demo]({DOCS}#make-demo)"))
+
+
+def _demo_settings(cache: Path, runs: dict[str, Path]) -> str:
+    """The settings the demo's PowerSGD and Pufferfish ran at, and whether they are the image
+    sweep's picks (``image_ranks.settings``): 'PowerSGD rank 4 from step 188, Pufferfish rank
+    ratio 0.5 (the image sweep's picks)'."""
+    import image_ranks as ir
+
+    ran: dict[str, Any] = {}
+    words = []
+    if (psgd := next((r for m, r in runs.items() if m.split(":")[0] == "powersgd"), None)):
+        cfg = config_of(psgd)
+        ran["powersgd_rank"] = int(cfg["powersgd_rank"])
+        words.append(f"PowerSGD rank {cfg['powersgd_rank']} from step {cfg['powersgd_start_iter']}")
+    if (puff := next((r for m, r in runs.items() if m.split(":")[0] == "pufferfish"), None)):
+        ran["rank_ratio"] = float(config_of(puff)["rank_ratio"])
+        words.append(f"Pufferfish rank ratio {config_of(puff)['rank_ratio']}")
+    sweep = folders.folder(cache, "image-ranks")
+    picks = ir.settings(sweep) if sweep.is_dir() else "no image sweep cached"
+    if isinstance(picks, str):
+        whose = "the image sweep had not chosen"
+    else:
+        picked = {k: float(v) if k == "rank_ratio" else v for k, v in picks.items()}
+        so_far = " so far" if ir.pending(sweep) else ""
+        whose = f"the image sweep's picks{so_far}" if all(
+            picked[k] == v for k, v in ran.items()) else "not the image sweep's picks: " + \
+            ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in picks.items())
+    return ", ".join(words) + f" ({whose})"

@@ -340,8 +340,10 @@ def _projection_markdown(projection: dict[str, Any]) -> list[str]:
 
 
 def train_markdown(cfg: BenchConfig, runs: list[dict[str, Any]],
-                   skipped: list[dict[str, str]], failures: list[dict[str, str]]) -> str:
-    """``train.md``: per link and method, accuracy and the time to the link's common target."""
+                   skipped: list[dict[str, str]], failures: list[dict[str, str]],
+                   machine: dict[str, str] | None = None) -> str:
+    """``train.md``: per link and method, accuracy and the time to the link's common target, and
+    the machine it ran on (``machine``: its CPU and GPU by name)."""
     epochs = cfg.epochs_per_method()
     budget = ", ".join(f"{m} {e}" for m, e in epochs.items())
     lines = [
@@ -356,6 +358,9 @@ def train_markdown(cfg: BenchConfig, runs: list[dict[str, Any]],
     ]
     lines += [f"- {s['bandwidth']}: skipped ({s['reason']})" for s in skipped]
     lines += [f"- {f['method']} @ {f['bandwidth']}: FAILED: {f['error']}" for f in failures]
+    if machine:
+        lines += ["", "Measured on: " + ", ".join(f"{k.upper()} ({v})" for k, v in machine.items())
+                  + "."]
     return "\n".join(lines) + "\n"
 
 

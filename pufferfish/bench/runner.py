@@ -91,6 +91,7 @@ from .probe import ProbeResult, measure_link
 from .progress import TrainingProgress, measuring
 from .results import project, time_to_accuracy_result, train_summary
 from .rounds import compute_check, round_plan, summarize
+from .step import machine_facts
 from .usermodel import factorization_report, is_user_model
 from .workers import WorkerTimeout, run_workers
 from .workload import rank_ratio_of
@@ -473,9 +474,10 @@ def _train_all(cfg: BenchConfig, root: Path, log: Log) -> dict[str, Any]:
             summary += train_summary(text, done)
             log(compare_runs([str(d) for _, d in done], str(root / "train" / text),
                              command="bench"))
-    (root / "train_results.json").write_text(
-        json.dumps({"runs": summary, "skipped": skipped, "failures": failures}, indent=1))
-    (root / "train.md").write_text(train_markdown(cfg, summary, skipped, failures))
+    machine = machine_facts()
+    (root / "train_results.json").write_text(json.dumps(
+        {"runs": summary, "skipped": skipped, "failures": failures, "machine": machine}, indent=1))
+    (root / "train.md").write_text(train_markdown(cfg, summary, skipped, failures, machine))
     seal_outputs(root, "bench", TRAIN_FILES)
     log(f"written: {root / 'train_results.json'}, {root / 'train.md'}, "
         f"{root / 'train'}/<bandwidth>/report.md and accuracy.png")

@@ -132,8 +132,8 @@ from .workload import (
     train_one_step,
 )
 
-__all__ = ["PUFFERFISH_RANK_RATIO", "amp_for", "cpu_name", "device_facts", "join", "main", "method_options",
-           "rank_device"]
+__all__ = ["PUFFERFISH_RANK_RATIO", "amp_for", "cpu_name", "device_facts", "join",
+           "machine_facts", "main", "method_options", "rank_device"]
 
 # No BatchNorm-statistics broadcast in forward (see the module docstring); newer torch
 # renamed the flag and warns about the old one.
@@ -500,6 +500,15 @@ def device_facts(device: torch.device) -> dict[str, str]:
     CPU's: CPUs differ several-fold in compute, which decides whether a step waits on the wire)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return {"device": str(device), "device_name": name}
+
+
+def machine_facts() -> dict[str, str]:
+    """This host's CPU and, where CUDA sees one, its GPU: what a training record (``bench
+    --train``) says of where it ran."""
+    facts = {"cpu": cpu_name()}
+    if torch.cuda.is_available():
+        facts["gpu"] = torch.cuda.get_device_name(0)
+    return facts
 
 
 def cpu_name() -> str:
