@@ -10,7 +10,7 @@
 # Then the table, the plot of test accuracy against wall-clock time, and the verdict: which
 # method reached DDP's final accuracy - 0.5 points first. Without link emulation it says why,
 # trains over loopback (where the extra epoch is not free) and projects the measured steps to
-# slower links. About 14 minutes on 2 idle CPU cores with installation (docs/benchmarks.md).
+# slower links. 11-26 minutes on 2 idle CPU cores, by the CPU (docs/benchmarks.md#make-demo).
 # Settings: LINK (a rate, or loopback), IMAGES (training images, 0: all), METHODS, EPOCHS (DDP's),
 # MORE_EPOCHS (the others'), PICKS, BUCKETS, RECIPE (a train config for the other options), OUT,
 # and EXTRA (more `pufferfish bench --train` flags).

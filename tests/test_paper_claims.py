@@ -185,7 +185,8 @@ def test_the_demo_row_names_the_methods_the_demo_ran_with_their_settings(
 
 def test_the_cached_demo_ran_at_the_image_sweeps_picks() -> None:
     """`make demo`'s row comes from a demo at ``image_ranks.settings``' picks, PowerSGD
-    compressing from 10% of its steps as in the sweep, and its row says so."""
+    compressing from 10% of its steps as in the sweep, and its row says so. A tripwire too: when
+    newly cached sweep runs change the picks, this fails until the demo is run again."""
     import image_ranks
 
     cache = ROOT / folders.CACHE
@@ -203,17 +204,38 @@ def test_the_cached_demo_ran_at_the_image_sweeps_picks() -> None:
     assert f"(the image sweep's picks{so_far})" in images.demo_claim(cache)["readme"]["ours"]
 
 
-def test_a_demo_at_other_settings_says_it_is_not_at_the_sweeps_picks(tmp_path: Path) -> None:
+def _demo_copy(tmp_path: Path) -> Path:
+    """The cached demo copied under ``tmp_path`` (a cache of its own, the image sweep linked)."""
     cache = ROOT / folders.CACHE
     demo = folders.folder(tmp_path, "demo")
     shutil.copytree(folders.folder(cache, "demo"), demo)
     folders.folder(tmp_path, "image-ranks").symlink_to(folders.folder(cache, "image-ranks"))
-    config = demo / "train" / "100mbit" / "powersgd" / "config.toml"
-    config.write_text(re.sub(r"(?m)^powersgd_rank = \d+$", "powersgd_rank = 3",
-                             config.read_text()))
+    return demo
+
+
+@pytest.mark.parametrize("run,setting,value", [
+    ("powersgd", "powersgd_rank", "3"), ("pufferfish+powersgd", "powersgd_rank", "3"),
+    ("powersgd", "powersgd_start_iter", "2"), ("pufferfish", "rank_ratio", '"0.25"'),
+    ("pufferfish+powersgd", "rank_ratio", '"auto"')])
+def test_a_demo_at_other_settings_says_it_is_not_at_the_sweeps_picks(
+        tmp_path: Path, run: str, setting: str, value: str) -> None:
+    """Any of its runs at another rank, start step or rank ratio than the sweep's picks."""
+    config = _demo_copy(tmp_path) / "train" / "100mbit" / run / "config.toml"
+    text, n = re.subn(rf"(?m)^{setting} = .*$", f"{setting} = {value}", config.read_text())
+    assert n == 1
+    config.write_text(text)
     ours = images.demo_claim(tmp_path)["readme"]["ours"]
-    assert "PowerSGD rank 3 from step" in ours and "not the image sweep's picks: powersgd rank" \
-        in ours, ours
+    assert "(not the image sweep's picks: PowerSGD rank" in ours, ours
+
+
+def test_the_demo_row_names_the_machine_its_record_names(tmp_path: Path) -> None:
+    results = _demo_copy(tmp_path) / "train_results.json"
+    record = json.loads(results.read_text())
+    assert "does not name" in images.demo_claim(tmp_path)["limits"] or "machine" in record
+    record["machine"] = {"cpu": "Some CPU 9000", "gpu": "Some GPU"}
+    results.write_text(json.dumps(record))
+    limits = images.demo_claim(tmp_path)["limits"]
+    assert "on one machine: CPU (Some CPU 9000), GPU (Some GPU)." in limits, limits
 
 
 def test_the_prose_states_the_budget_rules_resolution_as_claimed(generated: Path) -> None:

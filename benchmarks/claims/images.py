@@ -319,7 +319,7 @@ def demo_claim(cache: Path) -> dict:
     demo = folders.folder(cache, "demo")
     results = json.loads((demo / "train_results.json").read_text())
     trained = results["runs"]
-    machine = ", ".join(f"{k.upper()} {v}" for k, v in results.get("machine", {}).items())
+    machine = ", ".join(f"{k.upper()} ({v})" for k, v in results.get("machine", {}).items())
     runs = {m: demo / "train" / "100mbit" / m for m in
             dict.fromkeys(r["method"] for r in trained if r["bandwidth"] == "100mbit")
             if (demo / "train" / "100mbit" / m / "metrics.jsonl").is_file()}
@@ -336,48 +336,63 @@ def demo_claim(cache: Path) -> dict:
     cells = ", ".join(f"{m} {'never' if t is None else f'{t:.0f} s'} ({final(runs[m]):.2f}%, "
                       f"{epochs[m]} epochs)" for m, t in reach.items())
     settings = _demo_settings(cache, runs)
+    settings += "; " if settings else ""
     return record(
         "demo", "`make demo`: first to DDP's final − 0.5 over 100 Mbit/s", "–",
         "seconds of training to the target",
         "a Pufferfish variant reaches DDP's final − 0.5 first",
         first is not None and first.startswith("pufferfish"), methods, command,
         [*runs.values(), demo / "train_results.json"],
-        f"One seed ({cfg['seed']}), 2 CPU cores, ResNet-18 width {cfg['width']:g} on "
+        f"One seed ({cfg['seed']}), 2 processes, ResNet-18 width {cfg['width']:g} on "
         f"{cfg['train_subset']:,} images: DDP {epochs['ddp']} epochs, the others one more. Times "
         "are summed epoch times over the emulated link (evaluation excluded)"
-        + (f", on one machine ({machine})." if machine else "; the record predates the machine's "
-           "naming (docs/benchmarks.md says which it was)."),
+        + (f", on one machine: {machine}." if machine else "; on one machine, which this record "
+           "does not name (it predates `bench --train`'s machine field)."),
         "fixed in advance",
         (f"`make demo` (ResNet-18 width {cfg['width']:g}, {cfg['train_subset']:,} images, 2 CPU "
          f"cores, 100 Mbit/s, seed {cfg['seed']})", "–",
-         f"{settings}; to {100 * target:.2f}% (DDP's final − 0.5), training seconds (final "
+         f"{settings}to {100 * target:.2f}% (DDP's final − 0.5), training seconds (final "
          f"accuracy, epochs): {cells}; first: {first or 'none'}; Pufferfish {fewer:.2f}x fewer parameters",
          f"[the demo]({DOCS}#make-demo)"))
 
 
 def _demo_settings(cache: Path, runs: dict[str, Path]) -> str:
-    """The settings the demo's PowerSGD and Pufferfish ran at, and whether they are the image
-    sweep's picks (``image_ranks.settings``): 'PowerSGD rank 4 from step 188, Pufferfish rank
-    ratio 0.5 (the image sweep's picks)'."""
+    """The settings the demo's PowerSGD and Pufferfish runs (alone and composed) ran at, and
+    whether every run's are the image sweep's picks (``image_ranks.settings``, PowerSGD
+    compressing from 10% of its steps as in the sweep): 'PowerSGD rank 4 from step 94,
+    Pufferfish rank ratio 0.5 (the image sweep's picks)'; empty when neither ran."""
     import image_ranks as ir
 
-    ran: dict[str, Any] = {}
-    words = []
-    if (psgd := next((r for m, r in runs.items() if m.split(":")[0] == "powersgd"), None)):
-        cfg = config_of(psgd)
-        ran["powersgd_rank"] = int(cfg["powersgd_rank"])
-        words.append(f"PowerSGD rank {cfg['powersgd_rank']} from step {cfg['powersgd_start_iter']}")
-    if (puff := next((r for m, r in runs.items() if m.split(":")[0] == "pufferfish"), None)):
-        ran["rank_ratio"] = float(config_of(puff)["rank_ratio"])
-        words.append(f"Pufferfish rank ratio {config_of(puff)['rank_ratio']}")
     sweep = folders.folder(cache, "image-ranks")
     picks = ir.settings(sweep) if sweep.is_dir() else "no image sweep cached"
+    words: dict[str, str] = {}
+    match = not isinstance(picks, str)
+    for method, path in runs.items():
+        cfg, parts = config_of(path), method.split(":")[0].split("+")
+        if "powersgd" in parts:
+            start = int(cfg["powersgd_start_iter"])
+            words.setdefault("powersgd", f"PowerSGD rank {cfg['powersgd_rank']} from step {start}")
+            steps = sum(int(r["steps"]) for r in rows_of(path))
+            match = match and int(cfg["powersgd_rank"]) == picks["powersgd_rank"] and \
+                start == -(-steps // 10)
+        if "pufferfish" in parts:
+            words.setdefault("pufferfish", f"Pufferfish rank ratio {cfg['rank_ratio']}")
+            match = match and _same_ratio(cfg["rank_ratio"], picks["rank_ratio"])
+    if not words:
+        return ""
     if isinstance(picks, str):
-        whose = "the image sweep had not chosen"
+        whose = "the image sweep has no picks yet"
+    elif match:
+        whose = "the image sweep's picks" + (" so far" if ir.pending(sweep) else "")
     else:
-        picked = {k: float(v) if k == "rank_ratio" else v for k, v in picks.items()}
-        so_far = " so far" if ir.pending(sweep) else ""
-        whose = f"the image sweep's picks{so_far}" if all(
-            picked[k] == v for k, v in ran.items()) else "not the image sweep's picks: " + \
-            ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in picks.items())
-    return ", ".join(words) + f" ({whose})"
+        whose = (f"not the image sweep's picks: PowerSGD rank {picks['powersgd_rank']} from 10% "
+                 f"of its steps, Pufferfish rank ratio {picks['rank_ratio']}")
+    return ", ".join(words.values()) + f" ({whose})"
+
+
+def _same_ratio(ran: str, picked: str) -> bool:
+    """A run's ``rank_ratio`` setting against a pick: as numbers, else as words (``auto``)."""
+    try:
+        return float(ran) == float(picked)
+    except ValueError:
+        return ran == picked

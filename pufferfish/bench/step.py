@@ -503,12 +503,12 @@ def device_facts(device: torch.device) -> dict[str, str]:
 
 
 def machine_facts() -> dict[str, str]:
-    """This host's CPU and, where CUDA sees one, its GPU: what a training record (``bench
-    --train``) says of where it ran."""
+    """This host's CPU and, where CUDA sees one, its GPU (where ``pufferfish train`` then runs):
+    what a training record (``bench --train``) says of where it ran; a name unknown is left out."""
     facts = {"cpu": cpu_name()}
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name(0)
-    return facts
+    return {kind: name for kind, name in facts.items() if name}
 
 
 def cpu_name() -> str:
