@@ -248,6 +248,7 @@ def test_the_prose_states_the_budget_rules_resolution_as_claimed(generated: Path
     docs = " ".join(" ".join((ROOT / f"docs/{name}.md").read_text()
                              for name in ("benchmarks", "usage")).split())
     assert f"differences under {pct}%" in readme and measured_widths() in readme
+    assert f"inside the rule's {pct}%" in readme  # width 0.25's gaps against the same resolution
     said = re.findall(r"differences under (\d+)%", readme + docs)
     assert len(said) >= 4 and set(said) == {pct}
     assert set(re.findall(r"differences under ([\d.]+) ppl", docs)) == {bar}
@@ -275,6 +276,27 @@ def test_the_readme_quotes_the_width_study_s_verdict() -> None:
     usage = " ".join((ROOT / "docs" / "usage.md").read_text().split())
     assert (f"{low}% behind full rank at 0.25 (Pufferfish's 10% switch {puff}%, {said}; full and "
             f"low rank's seeds there within {spread:.1%})") in usage
+
+
+def test_the_lm_prose_quotes_the_claims_figures(generated: Path) -> None:
+    """docs/benchmarks.md's prose around the LM budget and links claims repeats claims.json's
+    means, spreads and seconds, not typed ones."""
+    claims = by_id(generated)
+    docs = " ".join((ROOT / "docs/benchmarks.md").read_text().split())
+    budget = claims["lm-budget"]["methods"]
+    full, low, svd = (budget[m] for m in ("full", "lowrank", "puff1step"))
+    said = [f"full rank {full['mean']:.2f}, low rank from the start {low['mean']:.2f}",
+            f"low rank from the start {low['mean']:.2f} (spread {low['spread']:.2f}), `puff1step` "
+            f"{svd['mean']:.2f} ({svd['spread']:.2f}), full rank {full['mean']:.2f} "
+            f"({full['spread']:.2f})",
+            f"twice full rank's spread of {full['spread']:.2f}"]
+    links = claims["lm-budget-links"]
+    said += [f"({_secs(links, 'ddp: s to target @ 100mbit')} against the SVD-initialized low "
+             f"rank's {_secs(links, 'pufferfish: s to target @ 100mbit')}",
+             f"({_secs(links, 'pufferfish: s to target @ 10mbit')} against DDP's "
+             f"{_secs(links, 'ddp: s to target @ 10mbit')}"]
+    for text in said:
+        assert text in docs, text
 
 
 def _speed(claim: dict, method: str, seed: str) -> str:

@@ -344,7 +344,8 @@ def demo_claim(cache: Path) -> dict:
         first is not None and first.startswith("pufferfish"), methods, command,
         [*runs.values(), demo / "train_results.json"],
         f"One seed ({cfg['seed']}), 2 processes, ResNet-18 width {cfg['width']:g} on "
-        f"{cfg['train_subset']:,} images: DDP {epochs['ddp']} epochs, the others one more. Times "
+        f"{cfg['train_subset']:,} images: DDP {epochs['ddp']} epochs, "
+        + ", ".join(f"{m} {e}" for m, e in epochs.items() if m != "ddp") + ". Times "
         "are summed epoch times over the emulated link (evaluation excluded)"
         + (f", on one machine: {machine}." if machine else "; on one machine, which this record "
            "does not name (it predates `bench --train`'s machine field)."),

@@ -120,7 +120,8 @@ def diloco_claim(cache: Path) -> tuple[dict, dict]:
         "/ Pufferfish run, plus bytes on the wire; seed 0's ran on cores shared with a test run, so "
         "its seconds are longer than seed 1's), not a run over it; PowerSGD's encoding is not "
         "counted. Far from DiLoCo's regime (thousands of steps): its runs end far above DDP, so "
-        "this target says nothing about DiLoCo's final quality.", "fixed in advance",
+        "this target says nothing about DiLoCo's final quality.",
+        "validation",  # H fixed in advance; the LR (3e-3) from the width-0.25 LR sweep's seed 0
         ("DiLoCo (llama ¼): time to DDP's final perplexity + 5%", "–", ours,
          f"[DiLoCo]({DOCS}#diloco), "
          "[plot](docs/img/diloco-llama.png)")), {"curves": curves, "targets": targets}
