@@ -3,8 +3,8 @@
 # BPE) on one lent GPU: full rank, Pufferfish, low rank from the start and GaLore, seeds 0 and 1,
 # the whole KJV for EPOCHS epochs, one process each at batch 16 (the 2 x 8 of the CPU runs), fp16
 # autocast, the llama defaults otherwise (the LR `llama_lr(1.0)`, extrapolated from the widths the
-# budget study measured; Pufferfish switches at a quarter of the run). Runs share the GPU, SLOTS at a time, in priority order (the full-rank /
-# Pufferfish pair of each seed first); whatever still runs after DEADLINE_S seconds is stopped, so
+# budget study measured; Pufferfish switches at a quarter of the run). Runs share the GPU, SLOTS at
+# a time, in priority order (the full-rank / Pufferfish pair of each seed first); whatever still runs after DEADLINE_S seconds is stopped, so
 # its metrics.jsonl holds the epochs it finished. Then summary.md: each run's last row.
 #
 # Usage: benchmarks/gpu_llama.sh OUT [KJV_FILE] [more pufferfish train flags...]

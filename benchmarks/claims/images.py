@@ -26,6 +26,7 @@ from claims import (
     stats,
 )
 from pufferfish.bench import accuracy as acc
+from pufferfish.bench.markdown import machine_words
 
 PAPER_COUNTS = {"resnet18": (11_173_962, 3_336_138), "vgg19_bn": (20_560_330, 8_370_634)}
 # PowerSGD's run names at the paper's width, by preference: psgdfp32 is the same run without
@@ -319,7 +320,7 @@ def demo_claim(cache: Path) -> dict:
     demo = folders.folder(cache, "demo")
     results = json.loads((demo / "train_results.json").read_text())
     trained = results["runs"]
-    machine = ", ".join(f"{k.upper()} ({v})" for k, v in results.get("machine", {}).items())
+    machine = machine_words(results.get("machine", {}))
     runs = {m: demo / "train" / "100mbit" / m for m in
             dict.fromkeys(r["method"] for r in trained if r["bandwidth"] == "100mbit")
             if (demo / "train" / "100mbit" / m / "metrics.jsonl").is_file()}

@@ -359,9 +359,13 @@ def train_markdown(cfg: BenchConfig, runs: list[dict[str, Any]],
     lines += [f"- {s['bandwidth']}: skipped ({s['reason']})" for s in skipped]
     lines += [f"- {f['method']} @ {f['bandwidth']}: FAILED: {f['error']}" for f in failures]
     if machine:
-        lines += ["", "Measured on: " + ", ".join(f"{k.upper()} ({v})" for k, v in machine.items())
-                  + "."]
+        lines += ["", f"Measured on: {machine_words(machine)}."]
     return "\n".join(lines) + "\n"
+
+
+def machine_words(machine: dict[str, str]) -> str:
+    """A training record's machine (``machine_facts``) in words: 'CPU (AMD EPYC), GPU (H100)'."""
+    return ", ".join(f"{kind.upper()} ({name})" for kind, name in machine.items())
 
 
 def _train_cells(r: dict[str, Any]) -> list[str]:
